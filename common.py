@@ -1,0 +1,382 @@
+"""What every fast-cifar script shares and none is about.
+
+The ResNet10 model, the transforms, data loading (real CIFAR-10 or a learnable synthetic stand-in),
+the command line, and the timing and reporting code. The optimizations live in the scripts.
+"""
+import argparse
+import contextlib
+import datetime
+import json
+import math
+import resource
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torchvision
+from PIL import Image
+from torch.utils.flop_counter import FlopCounterMode
+from torchvision import transforms
+
+# Per-channel statistics of the 50,000 CIFAR-10 training images.
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+CIFAR10_TRAIN_SIZE = 50_000
+CIFAR10_TEST_SIZE = 10_000
+
+
+# ---------------------------------------------------------------------------------------- model
+
+class BasicBlock(nn.Module):
+    """Two 3x3 convolutions with a residual connection (He et al., 2016)."""
+
+    def __init__(self, in_channels, out_channels, stride):
+        super().__init__()
+        # No conv bias: the BatchNorm right after it has its own shift.
+        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(out_channels)
+        self.conv2 = nn.Conv2d(out_channels, out_channels, 3, 1, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(out_channels)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or in_channels != out_channels:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_channels, out_channels, 1, stride, bias=False),
+                nn.BatchNorm2d(out_channels),
+            )
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + self.shortcut(x))
+
+
+class ResNet10(nn.Module):
+    """ResNet with one BasicBlock per stage (widths 64-512) and a CIFAR stem: 4,903,242 parameters."""
+
+    def __init__(self, num_classes=10):
+        super().__init__()
+        # CIFAR images are 32x32: a single 3x3 stride-1 stem, no 7x7 conv and no max-pool.
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, 64, 3, 1, padding=1, bias=False),
+            nn.BatchNorm2d(64),
+            nn.ReLU(inplace=True),
+        )
+        self.layers = nn.Sequential(
+            BasicBlock(64, 64, stride=1),
+            BasicBlock(64, 128, stride=2),
+            BasicBlock(128, 256, stride=2),
+            BasicBlock(256, 512, stride=2),
+        )
+        self.fc = nn.Linear(512, num_classes)
+
+    def forward(self, x):
+        x = self.layers(self.stem(x))
+        x = F.adaptive_avg_pool2d(x, 1).flatten(1)
+        return self.fc(x)
+
+
+# ----------------------------------------------------------------------------------- transforms
+
+def plain_transform():
+    """PIL image -> float tensor in [0, 1]."""
+    return transforms.ToTensor()
+
+
+def normalized_transform():
+    """PIL image -> float tensor with zero mean and unit variance per channel."""
+    return transforms.Compose([transforms.ToTensor(), transforms.Normalize(CIFAR10_MEAN, CIFAR10_STD)])
+
+
+def augmented_transform():
+    """Random 32x32 crop of the 4-pixel padded image and a random horizontal flip, then normalize."""
+    return transforms.Compose([
+        transforms.RandomCrop(32, padding=4, padding_mode="reflect"),
+        transforms.RandomHorizontalFlip(),
+        transforms.ToTensor(),
+        transforms.Normalize(CIFAR10_MEAN, CIFAR10_STD),
+    ])
+
+
+# ----------------------------------------------------------------------------------------- data
+
+class ImageArrayDataset(torch.utils.data.Dataset):
+    """uint8 images (N, 32, 32, 3) and labels served as (transform(PIL image), label).
+
+    The same attributes (`data`, `targets`, `transform`) as torchvision's CIFAR10, so code that
+    reads one reads the other.
+    """
+
+    def __init__(self, data, targets, transform):
+        self.data, self.targets, self.transform = data, targets, transform
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, index):
+        return self.transform(Image.fromarray(self.data[index])), self.targets[index]
+
+
+def synthetic_cifar10(size, train, transform, noise=0.6):
+    """A learnable CIFAR-shaped dataset: each class is a fixed random image, each sample adds noise.
+
+    The class images come from a fixed seed, so the train and test splits share them.
+    """
+    class_images = torch.rand(10, 32, 32, 3, generator=torch.Generator().manual_seed(0))
+    generator = torch.Generator().manual_seed(1 if train else 2)
+    targets = torch.randint(0, 10, (size,), generator=generator)
+    noise_images = torch.rand(size, 32, 32, 3, generator=generator)
+    images = (1 - noise) * class_images[targets] + noise * noise_images
+    data = (images * 255).round().to(torch.uint8).numpy()
+    return ImageArrayDataset(data, targets.tolist(), transform)
+
+
+def cifar10(data_dir, train, transform):
+    """torchvision's CIFAR10 from `data_dir`, downloaded there if missing; exit 2 if that fails."""
+    try:
+        return torchvision.datasets.CIFAR10(data_dir, train=train, transform=transform)
+    except RuntimeError:
+        pass  # not there yet: download it
+    try:
+        return torchvision.datasets.CIFAR10(data_dir, train=train, transform=transform, download=True)
+    except Exception as error:  # any network or archive failure ends the same way
+        fail(f"CIFAR-10 is not in {data_dir!r} and the download failed ({type(error).__name__}: "
+             f"{str(error)[:120]}); put cifar-10-python.tar.gz or cifar-10-batches-py/ there, "
+             f"or run with --synthetic")
+
+
+def load_data(args, train_transform, test_transform):
+    """The training and test sets the flags ask for, cut to --train-size / --test-size."""
+    if args.synthetic:
+        print("synthetic data: accuracy only shows that the loop learns; it says nothing about CIFAR-10")
+        train_size = args.train_size or CIFAR10_TRAIN_SIZE
+        test_size = args.test_size or CIFAR10_TEST_SIZE
+        train_set = synthetic_cifar10(train_size, train=True, transform=train_transform)
+        test_set = synthetic_cifar10(test_size, train=False, transform=test_transform)
+    else:
+        train_set = cifar10(args.data_dir, train=True, transform=train_transform)
+        test_set = cifar10(args.data_dir, train=False, transform=test_transform)
+    for name, dataset, size in (("train", train_set, args.train_size), ("test", test_set, args.test_size)):
+        if size is not None and size > len(dataset):
+            fail(f"--{name}-size {size} is larger than the {len(dataset)} {name} images; use at most that")
+        if size is not None:
+            dataset.data, dataset.targets = dataset.data[:size], dataset.targets[:size]
+    return train_set, test_set
+
+
+# -------------------------------------------------------------------------------- command line
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a bad flag ends with one line and exit code 2 instead of the usage text."""
+
+    def error(self, message):
+        fail(f"{message} (see --help)")
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def positive_float(text):
+    value = float(text)
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def build_parser(description, batch_size, lr):
+    """The flags every script has; a script adds its own and passes its defaults."""
+    parser = ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
+    add("--epochs", type=positive_int, default=5, help="passes over the training set (default: 5)")
+    add("--batch-size", type=positive_int, default=batch_size,
+        help=f"images per training step (default: {batch_size})")
+    add("--lr", type=positive_float, default=lr, help=f"learning rate (default: {lr})")
+    add("--data-dir", default="./data", help="CIFAR-10 location; downloaded there if missing (default: ./data)")
+    add("--device", choices=["auto", "cuda", "cpu"], default="auto",
+        help="auto = cuda if available, else cpu (default: auto)")
+    add("--seed", type=int, default=0, help="random seed for weights and shuffling (default: 0)")
+    add("--synthetic", action="store_true",
+        help="learnable random data made in memory, no download: for speed, not accuracy (default: off)")
+    add("--train-size", type=positive_int, default=None,
+        help="train on the first N training images only (default: all 50,000)")
+    add("--test-size", type=positive_int, default=None,
+        help="evaluate on the first N test images only (default: all 10,000)")
+    add("--json", metavar="PATH", default=None,
+        help="append one JSON line with the settings and every reported figure (default: off)")
+    add("--save", metavar="PATH", default=None, help="save the final weights (a state_dict) here (default: off)")
+    add("--profile", metavar="DIR", default=None,
+        help="write a torch.profiler trace of 3 steps of the last epoch to DIR (default: off)")
+    return parser
+
+
+def check_args(args, images_per_step):
+    """Settings that argparse cannot check alone; returns args."""
+    train_size = args.train_size or CIFAR10_TRAIN_SIZE
+    if args.batch_size < 2:
+        fail("--batch-size must be at least 2: BatchNorm needs 2 images to normalize a batch")
+    if train_size < images_per_step:
+        fail(f"--train-size {train_size} is smaller than one optimizer step ({images_per_step} images); "
+             f"use a larger --train-size or a smaller --batch-size")
+    return args
+
+
+def print_settings(script, device, args):
+    """One line naming the script, the device and every setting, so a log says what produced it."""
+    settings = ", ".join(f"{name} {value}" for name, value in vars(args).items() if value not in (None, False))
+    print(f"{Path(script).name} on {device}: {settings}")
+
+
+def pick_device(name):
+    """torch.device for --device; auto prefers CUDA and says so when it falls back to the CPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+        if name == "cpu":
+            print("no CUDA GPU found: running on the CPU (slow; the scripts target CUDA)")
+    if name == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda was asked for, but torch sees no CUDA GPU; use --device cpu")
+    return torch.device(name)
+
+
+def fail(message, code=2):
+    """End the run with one line on stderr and exit code `code` (2: bad input)."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def check_finite(loss_value, epoch, step):
+    """Stop the run with a clear message once the loss is NaN or infinite."""
+    if not math.isfinite(loss_value):
+        fail(f"loss is {loss_value} at epoch {epoch}, step {step}: training diverged; "
+             f"try a lower --lr", code=1)
+
+
+# ----------------------------------------------------------------------- timing and reporting
+
+def now(device):
+    """Seconds on a monotonic clock, read after all work queued on `device` has finished."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # CUDA runs asynchronously: without this we time the launches
+    return time.perf_counter()
+
+
+def peak_memory_bytes(device):
+    """GPU: the most memory tensors ever held. CPU: peak resident memory of this process."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def training_flops_per_image():
+    """FLOPs of one forward and backward pass of ResNet10 per image (optimizer update not counted)."""
+    model = ResNet10()
+    images = torch.randn(2, 3, 32, 32)
+    with FlopCounterMode(display=False) as counter:
+        F.cross_entropy(model(images), torch.tensor([0, 1])).backward()
+    return counter.get_total_flops() / len(images)
+
+
+@contextlib.contextmanager
+def profiler(directory, device):
+    """A torch.profiler that traces steps 3-5 into `directory`; a no-op when `directory` is None.
+
+    Yields an object whose step() the training loop calls once per step.
+    """
+    if directory is None:
+        yield SimpleNamespace(step=lambda: None)
+        return
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(
+        activities=activities,
+        schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),
+        on_trace_ready=torch.profiler.tensorboard_trace_handler(directory),
+    ) as prof:
+        yield prof
+
+
+def epoch_record(epoch, train_loss, train_accuracy, test_loss, test_accuracy, train_seconds, steps, images):
+    """One epoch's figures as a dict; also prints them as one line."""
+    record = {
+        "epoch": epoch,
+        "train_loss": train_loss,
+        "train_accuracy": train_accuracy,
+        "test_loss": test_loss,
+        "test_accuracy": test_accuracy,
+        "train_seconds": train_seconds,
+        "images_per_second": images / train_seconds,
+        "ms_per_step": 1000 * train_seconds / steps,
+        "steps": steps,
+        "images": images,
+    }
+    note = "  (includes compile/warm-up)" if epoch == 1 else ""
+    print(f"epoch {epoch}: train loss {train_loss:.4f} acc {100 * train_accuracy:.2f}% | "
+          f"test loss {test_loss:.4f} acc {100 * test_accuracy:.2f}% | "
+          f"{train_seconds:.1f} s, {record['images_per_second']:.0f} img/s, "
+          f"{record['ms_per_step']:.1f} ms/step{note}", flush=True)
+    return record
+
+
+def summarize(records, total_seconds, peak_memory, flops_per_image):
+    """Whole-run figures. Steady state = epochs after the first, so compile/warm-up is excluded."""
+    steady = records[1:]
+    summary = {
+        "total_seconds": total_seconds,
+        "warmup_seconds": None,
+        "steady_images_per_second": None,
+        "steady_ms_per_step": None,
+        "achieved_tflops": None,
+        "final_test_accuracy": records[-1]["test_accuracy"],
+        "peak_memory_bytes": peak_memory,
+        "training_flops_per_image": flops_per_image,
+    }
+    if steady:
+        seconds = sum(r["train_seconds"] for r in steady)
+        images_per_second = sum(r["images"] for r in steady) / seconds
+        first = records[0]
+        summary.update(
+            steady_images_per_second=images_per_second,
+            steady_ms_per_step=1000 * seconds / sum(r["steps"] for r in steady),
+            # Warm-up: what epoch 1 took beyond its images at the steady-state rate.
+            warmup_seconds=first["train_seconds"] - first["images"] / images_per_second,
+            achieved_tflops=images_per_second * flops_per_image / 1e12,
+        )
+    return summary
+
+
+def report(script, args, device, records, total_seconds, extra=None):
+    """Print the run's summary and, with --json, append it with every setting and epoch."""
+    summary = summarize(records, total_seconds, peak_memory_bytes(device), training_flops_per_image())
+    memory_kind = "GPU max allocated" if device.type == "cuda" else "CPU peak RSS"
+    print(f"done: {total_seconds:.1f} s in all | final test acc {100 * summary['final_test_accuracy']:.2f}% | "
+          f"peak memory {summary['peak_memory_bytes'] / 2**30:.2f} GiB ({memory_kind})")
+    if summary["steady_images_per_second"] is None:
+        print("steady state: not measured (it excludes epoch 1, so it needs --epochs 2 or more)")
+    else:
+        print(f"steady state (epochs 2+): {summary['steady_images_per_second']:.0f} img/s, "
+              f"{summary['steady_ms_per_step']:.1f} ms/step, {summary['achieved_tflops']:.3f} TFLOP/s | "
+              f"warm-up {summary['warmup_seconds']:.1f} s")
+    if args.json:
+        result = {
+            "script": Path(script).name,
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "torch": torch.__version__,
+            "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "threads": torch.get_num_threads(),
+            "data": "synthetic" if args.synthetic else "cifar10",
+            "settings": vars(args),
+            **summary,
+            **(extra or {}),
+            "epochs": records,
+        }
+        with open(args.json, "a") as file:
+            file.write(json.dumps(result) + "\n")
+    return summary
