@@ -1,0 +1,312 @@
+"""Tests for the fast-cifar scripts. CPU only, tiny data, no network: `python -m pytest -q`."""
+import contextlib
+import inspect
+import json
+import os
+import pickle
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torchvision
+from torch.utils.data import DataLoader, TensorDataset
+
+import baseline
+import common
+import opt1
+import opt2
+
+ROOT = Path(__file__).resolve().parent
+SCRIPTS = {"baseline.py": baseline, "opt1.py": opt1, "opt2.py": opt2}
+CPU = torch.device("cpu")
+# Point downloads at a closed local port, so "no network" fails at once on any machine.
+NO_NETWORK = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}
+SMALL = ["--synthetic", "--device", "cpu", "--test-size", "256"]
+
+
+def run_script(script, *args, timeout=600):
+    """Run `python script args` in a fresh process, offline; returns the CompletedProcess."""
+    env = {**os.environ, **NO_NETWORK}
+    return subprocess.run([sys.executable, script, *map(str, args)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def call(function, **available):
+    """Call a script's function with the arguments its signature names (they differ along the chain)."""
+    names = inspect.signature(function).parameters
+    return function(**{name: available[name] for name in names})
+
+
+def script_evaluate(module, model, loader):
+    amp_dtype = torch.bfloat16  # what opt1 onwards use on the CPU
+    return call(module.evaluate, model=model, loader=loader, amp_dtype=amp_dtype, device=CPU)
+
+
+def read_json(path):
+    lines = Path(path).read_text().splitlines()
+    assert len(lines) == 1
+    return json.loads(lines[0])
+
+
+# ------------------------------------------------------------------------- end to end, per script
+
+LEARN_ARGS = {
+    "baseline.py": ["--batch-size", "32", "--train-size", "1024"],
+    "opt1.py": ["--batch-size", "32", "--train-size", "1024", "--no-compile"],
+    # The one compiled run: it also proves saved weights carry no torch.compile prefix.
+    "opt2.py": ["--batch-size", "32", "--train-size", "1024", "--workers", "2"],
+}
+EVAL_TRANSFORM = {"baseline.py": common.plain_transform, "opt1.py": common.plain_transform,
+                  "opt2.py": common.normalized_transform}
+SUMMARY_FIELDS = {"total_seconds", "warmup_seconds", "steady_images_per_second", "steady_ms_per_step",
+                  "achieved_tflops", "final_test_accuracy", "peak_memory_bytes", "training_flops_per_image",
+                  "final_lr", "script", "device", "torch", "data", "settings", "epochs"}
+EPOCH_FIELDS = {"epoch", "train_loss", "train_accuracy", "test_loss", "test_accuracy", "train_seconds",
+                "images_per_second", "ms_per_step", "steps", "images"}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_script_learns_reports_and_saves(script, tmp_path):
+    json_path, weights = tmp_path / "result.json", tmp_path / "weights.pt"
+    result = run_script(script, *SMALL, "--epochs", 2, *LEARN_ARGS[script],
+                        "--json", json_path, "--save", weights)
+    assert result.returncode == 0, result.stderr
+    assert "says nothing about CIFAR-10" in result.stdout
+    assert "epoch 1:" in result.stdout and "(includes compile/warm-up)" in result.stdout
+    assert "steady state (epochs 2+)" in result.stdout
+
+    report = read_json(json_path)
+    assert SUMMARY_FIELDS <= report.keys()
+    assert [set(epoch) for epoch in report["epochs"]] == [EPOCH_FIELDS, EPOCH_FIELDS]
+    assert report["data"] == "synthetic" and report["settings"]["batch_size"] == 32
+    assert report["final_test_accuracy"] > 0.5, "chance is 0.1: the loop does not learn"
+    assert report["epochs"][1]["train_loss"] < report["epochs"][0]["train_loss"]
+    assert all(value is not None for value in report.values())
+
+    model = common.ResNet10()
+    model.load_state_dict(torch.load(weights))  # strict: fails on an `_orig_mod.` prefix
+    test_set = common.synthetic_cifar10(256, train=False, transform=EVAL_TRANSFORM[script]())
+    _, accuracy = script_evaluate(SCRIPTS[script], model, DataLoader(test_set, batch_size=64))
+    assert accuracy == pytest.approx(report["final_test_accuracy"], abs=0.01)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_documents_every_flag_with_its_default(script):
+    result = run_script(script, "--help")
+    assert result.returncode == 0
+    flags = ["--epochs", "--batch-size", "--lr", "--data-dir", "--device", "--seed", "--synthetic",
+             "--train-size", "--test-size", "--json", "--save", "--profile"]
+    if script != "baseline.py":
+        flags.append("--compile")
+    for flag in flags:
+        assert flag in result.stdout
+    help_texts = result.stdout.split("options:")[1].split("\n  -")[2:]  # skip -h
+    assert all("default" in text for text in help_texts), help_texts
+
+
+# ----------------------------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("args, says", [
+    (["--epochs", "0"], "--epochs: must be a positive integer"),
+    (["--batch-size", "0"], "--batch-size: must be a positive integer"),
+    (["--lr", "-0.1"], "--lr: must be a positive number"),
+    (["--lr", "nan"], "--lr: must be a positive number"),
+    (["--device", "tpu"], "--device: invalid choice"),
+    (["--batch-size", "1"], "BatchNorm needs 2 images"),
+    (["--train-size", "60000", "--synthetic"], "--train-size 60000 is larger than the 50000 train images"),
+    (["--train-size", "10", "--synthetic"], "smaller than one optimizer step"),
+    (["--data-dir", "{empty}"], "the download failed"),
+])
+def test_bad_input_exits_2_with_one_line(args, says, tmp_path):
+    args = [arg.replace("{empty}", str(tmp_path)) for arg in args]
+    result = run_script("baseline.py", "--device", "cpu", *args)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.startswith("error: ") and says in result.stderr
+
+
+def test_missing_data_message_says_where_and_what_to_do(tmp_path):
+    result = run_script("opt2.py", "--data-dir", tmp_path / "nowhere", "--device", "cpu")
+    assert result.returncode == 2
+    assert str(tmp_path / "nowhere") in result.stderr and "--synthetic" in result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_asked_for_without_a_gpu_exits_2():
+    result = run_script("opt1.py", "--device", "cuda", "--synthetic")
+    assert result.returncode == 2 and "sees no CUDA GPU" in result.stderr
+
+
+def test_accum_steps_must_fit_in_the_training_set():
+    result = run_script("opt2.py", *SMALL, "--train-size", "64", "--batch-size", "32", "--accum-steps", "3")
+    assert result.returncode == 2 and "(96 images)" in result.stderr
+
+
+def test_a_last_batch_of_one_image_does_not_crash_batchnorm(tmp_path):
+    json_path = tmp_path / "result.json"
+    result = run_script("baseline.py", *SMALL, "--epochs", 1, "--train-size", 2 * 16 + 1,
+                        "--batch-size", 16, "--json", json_path)
+    assert result.returncode == 0, result.stderr
+    assert read_json(json_path)["epochs"][0]["steps"] == 2
+
+
+class NaNModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(1))
+
+    def forward(self, images):
+        return self.weight * torch.full((len(images), 10), float("nan"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_non_finite_loss_stops_the_run_naming_epoch_and_step(script, capsys):
+    model = NaNModel()
+    loader = DataLoader(TensorDataset(torch.randn(8, 3, 32, 32), torch.zeros(8, dtype=torch.long)), batch_size=4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(SystemExit) as exit_info:
+        call(SCRIPTS[script].train_one_epoch, model=model, loader=loader, criterion=nn.CrossEntropyLoss(),
+             optimizer=optimizer, scheduler=None, scaler=torch.amp.GradScaler("cpu", enabled=False),
+             amp_dtype=torch.bfloat16, accum_steps=1, device=CPU, epoch=3,
+             profiler=SimpleNamespace(step=lambda: None))
+    assert exit_info.value.code == 1
+    assert "loss is nan at epoch 3, step 1" in capsys.readouterr().err
+    assert model.weight.item() == 1.0, "the bad step must not reach the weights"
+
+
+# --------------------------------------------------------------------------------- real data path
+
+def write_tiny_cifar10(root, train_per_file=20, test_size=30):
+    """A few random images in torchvision's on-disk CIFAR-10 layout; returns the first train image."""
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+    for name in names:
+        size = test_size if name == "test_batch" else train_per_file
+        batch = {"data": rng.integers(0, 256, (size, 3072), dtype=np.uint8),
+                 "labels": rng.integers(0, 10, size).tolist()}
+        with open(folder / name, "wb") as file:
+            pickle.dump(batch, file)
+        if name == "data_batch_1":
+            first = batch["data"][0].reshape(3, 32, 32)
+    with open(folder / "batches.meta", "wb") as file:
+        pickle.dump({"label_names": [f"class{i}" for i in range(10)]}, file)
+    return first
+
+
+def test_real_cifar10_path_reads_torchvision_layout(tmp_path, monkeypatch):
+    first_image = write_tiny_cifar10(tmp_path)
+    # Our files are not the official bytes: skip torchvision's md5 checks, as ../shared/cifar10/run_local.py does.
+    monkeypatch.setattr(torchvision.datasets.CIFAR10, "_check_integrity", lambda self: True)
+    monkeypatch.setattr(torchvision.datasets.cifar, "check_integrity", lambda path, md5=None: os.path.isfile(path))
+
+    args = SimpleNamespace(synthetic=False, data_dir=str(tmp_path), train_size=None, test_size=None)
+    train_set, test_set = common.load_data(args, common.plain_transform(), common.plain_transform())
+    assert (len(train_set), len(test_set)) == (100, 30)
+    image, _ = train_set[0]
+    assert torch.equal((image * 255).round().to(torch.uint8), torch.from_numpy(first_image))
+
+    json_path = tmp_path / "result.json"
+    monkeypatch.setattr(sys, "argv", ["baseline.py", "--data-dir", str(tmp_path), "--device", "cpu",
+                                      "--epochs", "1", "--batch-size", "16", "--json", str(json_path)])
+    baseline.main()
+    report = read_json(json_path)
+    assert report["data"] == "cifar10" and report["epochs"][0]["images"] == 6 * 16
+
+
+# ------------------------------------------------------------------------ gradient accumulation
+
+def accumulated_weights(batch_size, accum_steps, monkeypatch):
+    """Weights of a small BatchNorm-free net after one opt2 epoch of 24 images."""
+    monkeypatch.setattr(torch, "autocast", lambda *args, **kwargs: contextlib.nullcontext())  # float32
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 30 * 30, 10))
+    torch.manual_seed(1)
+    data = TensorDataset(torch.randn(24, 3, 32, 32), torch.randint(0, 10, (24,)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    _, _, steps, images = opt2.train_one_epoch(
+        model, DataLoader(data, batch_size=batch_size), nn.CrossEntropyLoss(), optimizer, scheduler,
+        torch.amp.GradScaler("cpu", enabled=False), torch.float32, accum_steps, CPU, 1,
+        SimpleNamespace(step=lambda: None))
+    return torch.nn.utils.parameters_to_vector(model.parameters()).detach(), steps, images
+
+
+def test_accumulating_k_micro_batches_equals_one_big_batch(monkeypatch):
+    big_batch, steps, _ = accumulated_weights(12, 1, monkeypatch)
+    accumulated, accumulated_steps, images = accumulated_weights(4, 3, monkeypatch)
+    assert (steps, accumulated_steps, images) == (2, 2, 24)
+    assert torch.allclose(accumulated, big_batch, atol=1e-6)
+    one_step, _, _ = accumulated_weights(24, 1, monkeypatch)
+    assert not torch.allclose(one_step, big_batch, atol=1e-3), "the comparison must be able to fail"
+
+
+@pytest.mark.parametrize("accum_steps", [1, 3])
+def test_onecycle_length_counts_optimizer_steps(accum_steps, tmp_path):
+    json_path = tmp_path / "result.json"
+    # 10 batches per epoch: not divisible by 3, so micro-batches and optimizer steps differ.
+    result = run_script("opt2.py", *SMALL, "--epochs", 2, "--train-size", 160, "--batch-size", 16,
+                        "--accum-steps", accum_steps, "--no-compile", "--workers", 0, "--json", json_path)
+    assert result.returncode == 0, result.stderr
+    report = read_json(json_path)
+    assert [epoch["steps"] for epoch in report["epochs"]] == [10 // accum_steps] * 2
+    assert [epoch["images"] for epoch in report["epochs"]] == [10 // accum_steps * accum_steps * 16] * 2
+    # OneCycleLR ends at max_lr / div_factor / final_div_factor only after exactly total_steps steps.
+    assert report["final_lr"] == pytest.approx(report["settings"]["lr"] / 25 / 1e4, rel=1e-6)
+
+
+# ---------------------------------------------------------------------------- timing and model
+
+def test_clock_measures_a_known_sleep():
+    start = common.now(CPU)
+    time.sleep(0.2)
+    assert 0.19 < common.now(CPU) - start < 0.3
+
+
+def test_steady_state_excludes_the_first_epoch():
+    def record(seconds, images=1000, steps=10):
+        return {"train_seconds": seconds, "images": images, "steps": steps, "test_accuracy": 0.5}
+
+    records = [record(100.0), record(10.0), record(10.0)]
+    summary = common.summarize(records, total_seconds=125.0, peak_memory=1, flops_per_image=1e9)
+    assert summary["steady_images_per_second"] == pytest.approx(100.0)
+    assert summary["steady_ms_per_step"] == pytest.approx(1000.0)
+    assert summary["warmup_seconds"] == pytest.approx(90.0)
+    assert summary["achieved_tflops"] == pytest.approx(100.0 * 1e9 / 1e12)
+    one_epoch = common.summarize(records[:1], total_seconds=100.0, peak_memory=1, flops_per_image=1e9)
+    assert one_epoch["steady_images_per_second"] is None and one_epoch["warmup_seconds"] is None
+
+
+def test_resnet10_shape_and_flop_count():
+    model = common.ResNet10()
+    assert sum(p.numel() for p in model.parameters()) == 4_903_242
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    # Forward is ~0.25 GMAC = 0.5 GFLOP per image; backward costs about twice the forward.
+    assert 1.3e9 < common.training_flops_per_image() < 1.7e9
+
+
+def test_synthetic_data_is_deterministic_and_shares_class_images():
+    first = common.synthetic_cifar10(64, train=True, transform=common.plain_transform())
+    again = common.synthetic_cifar10(64, train=True, transform=common.plain_transform())
+    test = common.synthetic_cifar10(64, train=False, transform=common.plain_transform())
+    assert np.array_equal(first.data, again.data) and first.targets == again.targets
+    assert not np.array_equal(first.data, test.data)
+    # Images of one class are closer to each other than to images of another class.
+    data, targets = first.data.astype(np.float32), np.array(first.targets)
+    a, b = np.flatnonzero(targets == targets[0])[:2]
+    other = np.flatnonzero(targets != targets[0])[0]
+    assert np.abs(data[a] - data[b]).mean() < np.abs(data[a] - data[other]).mean()
+
+
+def test_profile_writes_a_trace(tmp_path):
+    result = run_script("baseline.py", *SMALL, "--epochs", 1, "--train-size", 6 * 8, "--batch-size", 8,
+                        "--test-size", 8, "--profile", tmp_path / "trace")
+    assert result.returncode == 0, result.stderr
+    assert list((tmp_path / "trace").glob("*.pt.trace.json"))
