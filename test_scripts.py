@@ -21,9 +21,10 @@ import baseline
 import common
 import opt1
 import opt2
+import opt3
 
 ROOT = Path(__file__).resolve().parent
-SCRIPTS = {"baseline.py": baseline, "opt1.py": opt1, "opt2.py": opt2}
+SCRIPTS = {"baseline.py": baseline, "opt1.py": opt1, "opt2.py": opt2, "opt3.py": opt3}
 CPU = torch.device("cpu")
 # Point downloads at a closed local port, so "no network" fails at once on any machine.
 NO_NETWORK = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}
@@ -43,9 +44,12 @@ def call(function, **available):
     return function(**{name: available[name] for name in names})
 
 
-def script_evaluate(module, model, loader):
-    amp_dtype = torch.bfloat16  # what opt1 onwards use on the CPU
-    return call(module.evaluate, model=model, loader=loader, amp_dtype=amp_dtype, device=CPU)
+def script_evaluate(module, model, dataset):
+    """A script's own evaluate() on `dataset`, fed the way that script feeds it."""
+    loader = DataLoader(dataset, batch_size=64)
+    test_data = opt3.load_to_device(dataset, CPU)
+    return call(module.evaluate, model=model, loader=loader, test_data=test_data, batch_size=64,
+                amp_dtype=torch.bfloat16, device=CPU)  # bfloat16: what opt1 onwards use on the CPU
 
 
 def read_json(path):
@@ -61,9 +65,10 @@ LEARN_ARGS = {
     "opt1.py": ["--batch-size", "32", "--train-size", "1024", "--no-compile"],
     # The one compiled run: it also proves saved weights carry no torch.compile prefix.
     "opt2.py": ["--batch-size", "32", "--train-size", "1024", "--workers", "2"],
+    "opt3.py": ["--batch-size", "32", "--train-size", "1024", "--no-compile"],
 }
 EVAL_TRANSFORM = {"baseline.py": common.plain_transform, "opt1.py": common.plain_transform,
-                  "opt2.py": common.normalized_transform}
+                  "opt2.py": common.normalized_transform, "opt3.py": None}
 SUMMARY_FIELDS = {"total_seconds", "warmup_seconds", "steady_images_per_second", "steady_ms_per_step",
                   "achieved_tflops", "final_test_accuracy", "peak_memory_bytes", "training_flops_per_image",
                   "final_lr", "script", "device", "torch", "data", "settings", "epochs"}
@@ -91,8 +96,9 @@ def test_script_learns_reports_and_saves(script, tmp_path):
 
     model = common.ResNet10()
     model.load_state_dict(torch.load(weights))  # strict: fails on an `_orig_mod.` prefix
-    test_set = common.synthetic_cifar10(256, train=False, transform=EVAL_TRANSFORM[script]())
-    _, accuracy = script_evaluate(SCRIPTS[script], model, DataLoader(test_set, batch_size=64))
+    transform = EVAL_TRANSFORM[script] and EVAL_TRANSFORM[script]()
+    test_set = common.synthetic_cifar10(256, train=False, transform=transform)
+    _, accuracy = script_evaluate(SCRIPTS[script], model, test_set)
     assert accuracy == pytest.approx(report["final_test_accuracy"], abs=0.01)
 
 
@@ -104,6 +110,8 @@ def test_help_documents_every_flag_with_its_default(script):
              "--train-size", "--test-size", "--json", "--save", "--profile"]
     if script != "baseline.py":
         flags.append("--compile")
+    if script in ("opt2.py", "opt3.py"):
+        flags += ["--accum-steps", "--label-smoothing"]
     for flag in flags:
         assert flag in result.stdout
     help_texts = result.stdout.split("options:")[1].split("\n  -")[2:]  # skip -h
@@ -168,16 +176,20 @@ class NaNModel(nn.Module):
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_a_non_finite_loss_stops_the_run_naming_epoch_and_step(script, capsys):
     model = NaNModel()
-    loader = DataLoader(TensorDataset(torch.randn(8, 3, 32, 32), torch.zeros(8, dtype=torch.long)), batch_size=4)
+    images, labels = torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8), torch.zeros(8, dtype=torch.long)
+    loader = DataLoader(TensorDataset(images.float(), labels), batch_size=4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     with pytest.raises(SystemExit) as exit_info:
-        call(SCRIPTS[script].train_one_epoch, model=model, loader=loader, criterion=nn.CrossEntropyLoss(),
-             optimizer=optimizer, scheduler=None, scaler=torch.amp.GradScaler("cpu", enabled=False),
-             amp_dtype=torch.bfloat16, accum_steps=1, device=CPU, epoch=3,
+        call(SCRIPTS[script].train_one_epoch, model=model, loader=loader, train_data=(images, labels),
+             criterion=nn.CrossEntropyLoss(), optimizer=optimizer, scheduler=scheduler,
+             scaler=torch.amp.GradScaler("cpu", enabled=False), amp_dtype=torch.bfloat16, accum_steps=1,
+             batch_size=4, generator=torch.Generator().manual_seed(0), device=CPU, epoch=3,
              profiler=SimpleNamespace(step=lambda: None))
     assert exit_info.value.code == 1
     assert "loss is nan at epoch 3, step 1" in capsys.readouterr().err
-    assert model.weight.item() == 1.0, "the bad step must not reach the weights"
+    if script != "opt3.py":  # opt3 reads its losses once per epoch, after the steps
+        assert model.weight.item() == 1.0, "the bad step must not reach the weights"
 
 
 # --------------------------------------------------------------------------------- real data path
@@ -310,3 +322,66 @@ def test_profile_writes_a_trace(tmp_path):
                         "--test-size", 8, "--profile", tmp_path / "trace")
     assert result.returncode == 0, result.stderr
     assert list((tmp_path / "trace").glob("*.pt.trace.json"))
+
+
+# -------------------------------------------------------------------- opt3's on-device data path
+
+def test_opt3_augment_crops_a_translate_of_the_padded_image_and_flips_a_mirror():
+    images = torch.rand(32, 3, 32, 32)
+    padded = torch.nn.functional.pad(images, (4, 4, 4, 4), mode="reflect")
+    augmented = opt3.augment(images, torch.Generator().manual_seed(0))
+    found = set()
+    for i in range(len(images)):
+        matches = [(top, left, flip) for top in range(9) for left in range(9) for flip in (False, True)
+                   if torch.equal(augmented[i], (lambda crop: crop.flip(2) if flip else crop)(
+                       padded[i, :, top:top + 32, left:left + 32]))]
+        assert matches, f"image {i} is not a crop of its padded image, plain or mirrored"
+        found.update(matches)
+    assert len(found) > 10 and {flip for _, _, flip in found} == {False, True}, "not random"
+
+
+def test_opt3_epoch_batches_show_every_image_once():
+    generator = torch.Generator().manual_seed(0)
+    batches = opt3.epoch_batches(96, 16, generator, CPU)
+    assert batches.shape == (6, 16) and sorted(batches.flatten().tolist()) == list(range(96))
+    with_remainder = opt3.epoch_batches(100, 16, generator, CPU).flatten()
+    assert len(with_remainder) == 96 and len(set(with_remainder.tolist())) == 96  # 4 left over, none twice
+    assert not torch.equal(opt3.epoch_batches(96, 16, generator, CPU), batches), "a fresh order per epoch"
+
+
+def test_opt3_flip_tta_equals_plain_evaluation_on_mirror_symmetric_images(monkeypatch):
+    monkeypatch.setattr(torch, "autocast", lambda *args, **kwargs: contextlib.nullcontext())  # float32
+    torch.manual_seed(0)
+    model = common.ResNet10().eval()
+    half = torch.randint(0, 256, (16, 3, 32, 16), dtype=torch.uint8)
+    symmetric = torch.cat([half, half.flip(3)], dim=3)
+    labels = torch.randint(0, 10, (16,))
+
+    def plain_loss(images):
+        with torch.no_grad():
+            return torch.nn.functional.cross_entropy(model(opt3.normalize(images)), labels).item()
+
+    def tta_loss(images):
+        loss, _ = opt3.evaluate(model, (images, labels), torch.float32, 8, CPU)
+        return loss
+
+    assert tta_loss(symmetric) == pytest.approx(plain_loss(symmetric), rel=1e-5)
+    asymmetric = torch.cat([half, half], dim=3)
+    assert tta_loss(asymmetric) != pytest.approx(plain_loss(asymmetric), rel=1e-5), "the test must be able to fail"
+
+
+# ------------------------------------------------------------------------------------ benchmark
+
+def test_benchmark_prints_a_row_per_script():
+    result = run_script("benchmark.py", "--repeats", 1, "--epochs", 2, "--train-size", 32, "--test-size", 16,
+                        "--batch-size", 16, "--device", "cpu", "--no-compile")
+    assert result.returncode == 0, result.stderr
+    table = result.stdout[result.stdout.index("| script"):].splitlines()
+    assert len(table) == 2 + 4
+    assert [row.split("|")[1].strip() for row in table[2:]] == ["baseline.py", "opt1.py", "opt2.py", "opt3.py"]
+    assert table[2].split("|")[3].strip() == "1.00x"
+
+
+def test_benchmark_rejects_one_epoch():
+    result = run_script("benchmark.py", "--epochs", 1)
+    assert result.returncode == 2 and "steady state excludes epoch 1" in result.stderr

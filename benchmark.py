@@ -1,0 +1,99 @@
+"""benchmark.py: run the chain side by side and print one markdown table of speed and accuracy.
+
+    python benchmark.py                                   # synthetic data, quick (minutes on a CPU)
+    python benchmark.py --data-dir ./data --train-size 50000 --test-size 10000
+
+Every script gets the same settings and runs in its own process. The scripts take turns
+(A B C D, A B C D, ...) for --repeats rounds, so slow drift of the machine hits all of them alike,
+and the table shows each figure's median over the rounds. Speedup is steady-state images/s over
+baseline.py's.
+"""
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import common
+
+ROOT = Path(__file__).resolve().parent
+SCRIPTS = ["baseline.py", "opt1.py", "opt2.py", "opt3.py"]
+
+
+def parse_args():
+    parser = common.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
+    add("--scripts", nargs="+", default=SCRIPTS, help=f"scripts to compare (default: {' '.join(SCRIPTS)})")
+    add("--repeats", type=common.positive_int, default=3, help="rounds over all scripts (default: 3)")
+    add("--epochs", type=int, default=2, help="epochs per run; steady state needs 2 or more (default: 2)")
+    add("--batch-size", type=common.positive_int, default=256, help="the same for every script (default: 256)")
+    add("--train-size", type=common.positive_int, default=2048, help="training images per epoch (default: 2048)")
+    add("--test-size", type=common.positive_int, default=1024, help="test images (default: 1024)")
+    add("--data-dir", default=None, help="real CIFAR-10 here instead of synthetic data (default: synthetic)")
+    add("--device", choices=["auto", "cuda", "cpu"], default="auto", help="passed to every script (default: auto)")
+    add("--compile", action=argparse.BooleanOptionalAction, default=True,
+        help="let the scripts that have --compile use it (default: on)")
+    args = parser.parse_args()
+    if args.epochs < 2:
+        common.fail("--epochs must be at least 2: steady state excludes epoch 1")
+    for script in args.scripts:
+        if not (ROOT / script).is_file():
+            common.fail(f"no script {script} next to benchmark.py; choose from {' '.join(SCRIPTS)}")
+    return args
+
+
+def run_once(script, args, json_path):
+    """Run one script once; returns its --json report."""
+    command = [sys.executable, str(ROOT / script), "--epochs", args.epochs, "--batch-size", args.batch_size,
+               "--train-size", args.train_size, "--test-size", args.test_size, "--device", args.device,
+               "--json", json_path]
+    command += ["--data-dir", args.data_dir] if args.data_dir else ["--synthetic"]
+    if not args.compile and script != "baseline.py":  # baseline never compiles, so it has no such flag
+        command.append("--no-compile")
+    result = subprocess.run([str(part) for part in command], capture_output=True, text=True)
+    if result.returncode != 0:
+        common.fail(f"{script} failed (exit {result.returncode}): {result.stderr.strip()[-500:]}", code=1)
+    return json.loads(Path(json_path).read_text().splitlines()[-1])
+
+
+def median(reports, field):
+    return statistics.median(report[field] for report in reports)
+
+
+def markdown_table(results):
+    """One row per script: medians over its runs."""
+    baseline_speed = median(results["baseline.py"], "steady_images_per_second") if "baseline.py" in results else None
+    lines = ["| script | images/s | speedup | ms/step | warm-up s | peak memory GiB | TFLOP/s | test acc % |",
+             "|---|---|---|---|---|---|---|---|"]
+    for script, reports in results.items():
+        speed = median(reports, "steady_images_per_second")
+        speedup = f"{speed / baseline_speed:.2f}x" if baseline_speed else "n/a"
+        lines.append(
+            f"| {script} | {speed:.0f} | {speedup} | {median(reports, 'steady_ms_per_step'):.1f} "
+            f"| {median(reports, 'warmup_seconds'):.1f} | {median(reports, 'peak_memory_bytes') / 2**30:.2f} "
+            f"| {median(reports, 'achieved_tflops'):.3f} | {100 * median(reports, 'final_test_accuracy'):.1f} |")
+    return "\n".join(lines)
+
+
+def main():
+    args = parse_args()
+    results = {script: [] for script in args.scripts}
+    with tempfile.TemporaryDirectory() as folder:
+        for round_number in range(1, args.repeats + 1):
+            for script in args.scripts:
+                report = run_once(script, args, Path(folder) / f"{script}.{round_number}.json")
+                results[script].append(report)
+                print(f"round {round_number}/{args.repeats} {script}: {report['steady_images_per_second']:.0f} img/s, "
+                      f"test acc {100 * report['final_test_accuracy']:.1f}%", flush=True)
+    first = next(iter(results.values()))[0]
+    data = f"CIFAR-10 in {args.data_dir}" if args.data_dir else "synthetic data"
+    print(f"\n{first['device_name']}, {first['threads']} threads, torch {first['torch']}; {data}, "
+          f"{args.train_size} training images x {args.epochs} epochs, batch {args.batch_size}, "
+          f"medians of {args.repeats} rounds\n")
+    print(markdown_table(results))
+
+
+if __name__ == "__main__":
+    main()
