@@ -185,6 +185,20 @@ def positive_int(text):
     return value
 
 
+def non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def fraction(text):
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 0 and below 1, got {text}")
+    return value
+
+
 def positive_float(text):
     value = float(text)
     if not value > 0 or math.isinf(value):
@@ -214,7 +228,8 @@ def build_parser(description, batch_size, lr):
         help="append one JSON line with the settings and every reported figure (default: off)")
     add("--save", metavar="PATH", default=None, help="save the final weights (a state_dict) here (default: off)")
     add("--profile", metavar="DIR", default=None,
-        help="write a torch.profiler trace of 3 steps of the last epoch to DIR (default: off)")
+        help="write a torch.profiler trace of 3 steps of the last epoch to DIR; that epoch's timing "
+             "includes the profiler's overhead (default: off)")
     return parser
 
 

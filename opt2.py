@@ -25,9 +25,9 @@ def parse_args():
                         help="torch.compile the model; --no-compile runs eager (default: on)")
     parser.add_argument("--accum-steps", type=common.positive_int, default=1,
                         help="micro-batches per optimizer step; effective batch = batch size x this (default: 1)")
-    parser.add_argument("--workers", type=int, default=min(4, os.cpu_count()),
+    parser.add_argument("--workers", type=common.non_negative_int, default=min(4, os.cpu_count()),
                         help=f"data loading processes (default: {min(4, os.cpu_count())})")
-    parser.add_argument("--label-smoothing", type=float, default=0.1,
+    parser.add_argument("--label-smoothing", type=common.fraction, default=0.1,
                         help="weight of the uniform target mixed into each label (default: 0.1)")
     args = parser.parse_args()
     return common.check_args(args, images_per_step=args.batch_size * args.accum_steps)

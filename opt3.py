@@ -27,7 +27,7 @@ def parse_args():
                              "minutes, longer than a short run (default: reduce-overhead on CUDA, default on CPU)")
     parser.add_argument("--accum-steps", type=common.positive_int, default=1,
                         help="micro-batches per optimizer step; effective batch = batch size x this (default: 1)")
-    parser.add_argument("--label-smoothing", type=float, default=0.1,
+    parser.add_argument("--label-smoothing", type=common.fraction, default=0.1,
                         help="weight of the uniform target mixed into each label (default: 0.1)")
     args = parser.parse_args()
     return common.check_args(args, images_per_step=args.batch_size * args.accum_steps)

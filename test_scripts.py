@@ -126,6 +126,7 @@ def test_help_documents_every_flag_with_its_default(script):
     (["--lr", "-0.1"], "--lr: must be a positive number"),
     (["--lr", "nan"], "--lr: must be a positive number"),
     (["--device", "tpu"], "--device: invalid choice"),
+    (["--unknown-flag"], "unrecognized arguments: --unknown-flag"),
     (["--batch-size", "1"], "BatchNorm needs 2 images"),
     (["--train-size", "60000", "--synthetic"], "--train-size 60000 is larger than the 50000 train images"),
     (["--train-size", "10", "--synthetic"], "smaller than one optimizer step"),
@@ -137,6 +138,16 @@ def test_bad_input_exits_2_with_one_line(args, says, tmp_path):
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.startswith("error: ") and says in result.stderr
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--workers", "-1"], "--workers: must be 0 or more"),
+    (["--label-smoothing", "1"], "--label-smoothing: must be at least 0 and below 1"),
+    (["--accum-steps", "0"], "--accum-steps: must be a positive integer"),
+])
+def test_opt2_flags_are_checked_too(args, says):
+    result = run_script("opt2.py", *args)
+    assert result.returncode == 2 and says in result.stderr
 
 
 def test_missing_data_message_says_where_and_what_to_do(tmp_path):
