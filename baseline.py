@@ -14,7 +14,7 @@ import common
 
 
 def parse_args():
-    parser = common.build_parser(__doc__, batch_size=128, lr=0.01)
+    parser = common.build_parser(__doc__, batch_size=64, lr=0.01)
     args = parser.parse_args()
     return common.check_args(args, images_per_step=args.batch_size)
 

@@ -16,7 +16,7 @@ import common
 
 
 def parse_args():
-    parser = common.build_parser(__doc__, batch_size=128, lr=1e-3)
+    parser = common.build_parser(__doc__, batch_size=64, lr=1e-3)
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="torch.compile the model; --no-compile runs eager (default: on)")
     args = parser.parse_args()

@@ -110,8 +110,8 @@ def main():
     # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a
     # fixed rate; its length counts optimizer steps, not micro-batches
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=args.lr, total_steps=args.epochs * (len(train_loader) // args.accum_steps),
-        pct_start=0.25)
+        optimizer, max_lr=args.lr, pct_start=0.25,
+        total_steps=args.epochs * (len(train_loader) // args.accum_steps))
 
     records = []
     start = common.now(device)

@@ -8,6 +8,7 @@ flip test-time augmentation.
 Each optimization is marked `# opt3:` where it happens; read `diff -u opt2.py opt3.py`.
 """
 import argparse
+import functools
 
 import torch
 import torch.nn as nn
@@ -39,10 +40,16 @@ def load_to_device(dataset, device):
     return images.to(device), torch.as_tensor(dataset.targets).to(device)
 
 
+@functools.cache
+def channel_statistics(device):
+    """CIFAR-10's per-channel mean and std in uint8 units, made on `device` once, not copied per step."""
+    statistics = torch.tensor([common.CIFAR10_MEAN, common.CIFAR10_STD], device=device) * 255
+    return statistics.view(2, 1, 3, 1, 1)
+
+
 def normalize(images):
     """uint8 images -> float32 with zero mean and unit variance per channel."""
-    mean = torch.tensor(common.CIFAR10_MEAN, device=images.device).view(1, 3, 1, 1) * 255
-    std = torch.tensor(common.CIFAR10_STD, device=images.device).view(1, 3, 1, 1) * 255
+    mean, std = channel_statistics(images.device)
     return (images.float() - mean) / std
 
 
@@ -55,13 +62,17 @@ def augment(images, generator):
     pixels = torch.arange(32, device=device)
     rows = top + pixels
     columns = left + torch.where(flip, 31 - pixels, pixels)  # a flip reads the crop's columns backwards
-    # One gather: image i, every channel, rows[i] x columns[i].
-    return padded[torch.arange(batch, device=device).view(-1, 1, 1, 1), torch.arange(3, device=device).view(1, -1, 1, 1),
-                  rows.view(batch, 1, 32, 1), columns.view(batch, 1, 1, 32)]
+    # One gather for the whole batch: image i, every channel, rows[i] x columns[i].
+    image_index = torch.arange(batch, device=device).view(batch, 1, 1, 1)
+    channel_index = torch.arange(3, device=device).view(1, 3, 1, 1)
+    return padded[image_index, channel_index, rows.view(batch, 1, 32, 1), columns.view(batch, 1, 1, 32)]
 
 
 def epoch_batches(size, batch_size, generator, device):
-    """One epoch's batches as rows of image indices: a fresh permutation cut into full batches."""
+    """One epoch's batches as rows of image indices: a fresh permutation cut into full batches.
+
+    The few images left over change each epoch; a last batch of one would crash BatchNorm.
+    """
     permutation = torch.randperm(size, device=device, generator=generator)
     return permutation[: size // batch_size * batch_size].view(-1, batch_size)
 
@@ -154,8 +165,8 @@ def main():
     # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a
     # fixed rate; its length counts optimizer steps, not micro-batches
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=args.lr, total_steps=args.epochs * (len(train_data[1]) // args.batch_size // args.accum_steps),
-        pct_start=0.25)
+        optimizer, max_lr=args.lr, pct_start=0.25,
+        total_steps=args.epochs * (len(train_data[1]) // args.batch_size // args.accum_steps))
 
     records = []
     start = common.now(device)
