@@ -109,9 +109,11 @@ def main():
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bfloat16 needs no scaling
     # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a
     # fixed rate; its length counts optimizer steps, not micro-batches
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=args.lr, pct_start=0.25,
-        total_steps=args.epochs * (len(train_loader) // args.accum_steps))
+    total_steps = args.epochs * (len(train_loader) // args.accum_steps)
+    if total_steps < 5:
+        common.fail(f"{total_steps} optimizer steps in all are too few for OneCycleLR's warm-up (it needs 5); "
+                    "use more --epochs or --train-size")
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total_steps, pct_start=0.25)
 
     records = []
     start = common.now(device)

@@ -167,6 +167,11 @@ def test_accum_steps_must_fit_in_the_training_set():
     assert result.returncode == 2 and "(96 images)" in result.stderr
 
 
+def test_too_few_optimizer_steps_for_onecycle_exit_2():
+    result = run_script("opt2.py", *SMALL, "--train-size", "64", "--batch-size", "32", "--epochs", "2")
+    assert result.returncode == 2 and "too few for OneCycleLR" in result.stderr, result.stderr
+
+
 def test_a_last_batch_of_one_image_does_not_crash_batchnorm(tmp_path):
     json_path = tmp_path / "result.json"
     result = run_script("baseline.py", *SMALL, "--epochs", 1, "--train-size", 2 * 16 + 1,

@@ -1,0 +1,259 @@
+"""opt4.py: opt3.py + data parallelism over many GPUs and machines: DistributedDataParallel under torchrun.
+
+    torchrun --nproc_per_node=8 opt4.py --epochs 5    # one machine, 8 GPUs
+    torchrun --nnodes=2 --node_rank=0 --nproc_per_node=8 --rdzv_endpoint=HOST:29500 opt4.py --epochs 5
+    python opt4.py --epochs 5                          # no torchrun: one process, like opt3.py
+
+Each optimization is marked `# opt4:` where it happens; read `diff -u opt3.py opt4.py`.
+"""
+import argparse
+import contextlib
+import functools
+import hashlib
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+import common
+
+
+def parse_args():
+    # opt2: a bigger batch keeps the GPU busy with fewer, larger kernels and fewer optimizer steps
+    parser = common.build_parser(__doc__, batch_size=256, lr=4e-3)
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                        help="torch.compile the model; --no-compile runs eager (default: on)")
+    parser.add_argument("--compile-mode", default=None,
+                        choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
+                        help="reduce-overhead replays CUDA graphs; max-autotune times kernel variants for "
+                             "minutes, longer than a short run (default: reduce-overhead on CUDA, default on CPU)")
+    parser.add_argument("--accum-steps", type=common.positive_int, default=1,
+                        help="micro-batches per optimizer step; effective batch = batch size x this (default: 1)")
+    parser.add_argument("--label-smoothing", type=common.fraction, default=0.1,
+                        help="weight of the uniform target mixed into each label (default: 0.1)")
+    args = parser.parse_args()
+    world_size = int(os.environ.get("WORLD_SIZE", 1))  # opt4: set by torchrun
+    return common.check_args(args, images_per_step=args.batch_size * args.accum_steps * world_size)
+
+
+def setup_distributed(device):
+    """(rank, world size, device): torchrun's when it started us, else (0, 1, device) and no process group."""
+    if "RANK" not in os.environ:
+        return 0, 1, device
+    if device.type == "cuda":
+        # opt4: one process per GPU; NCCL moves gradients GPU to GPU (NVLink, InfiniBand), Gloo on CPUs
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def weights_checksum(model):
+    """A short hash of every parameter's bytes: equal on all ranks when DDP kept them in step.
+
+    BatchNorm's running statistics are left out: DDP copies rank 0's to all ranks before each
+    forward, and each rank's last forward then updates its own.
+    """
+    digest = hashlib.sha256()
+    for parameter in model.parameters():
+        digest.update(parameter.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def load_to_device(dataset, device):
+    """A dataset's images (uint8, N x 3 x 32 x 32, channels_last in memory) and labels on `device`."""
+    images = torch.as_tensor(dataset.data).permute(0, 3, 1, 2)  # the NHWC bytes are already channels_last
+    return images.to(device), torch.as_tensor(dataset.targets).to(device)
+
+
+@functools.cache
+def channel_statistics(device):
+    """CIFAR-10's per-channel mean and std in uint8 units, made on `device` once, not copied per step."""
+    statistics = torch.tensor([common.CIFAR10_MEAN, common.CIFAR10_STD], device=device) * 255
+    return statistics.view(2, 1, 3, 1, 1)
+
+
+def normalize(images):
+    """uint8 images -> float32 with zero mean and unit variance per channel."""
+    mean, std = channel_statistics(images.device)
+    return (images.float() - mean) / std
+
+
+def augment(images, generator):
+    """Per image: a random 32x32 crop of the 4-pixel reflect-padded image and a random horizontal flip."""
+    batch, device = len(images), images.device
+    padded = F.pad(images, (4, 4, 4, 4), mode="reflect")
+    top, left = torch.randint(0, 9, (2, batch, 1), device=device, generator=generator)
+    flip = torch.rand(batch, 1, device=device, generator=generator) < 0.5
+    pixels = torch.arange(32, device=device)
+    rows = top + pixels
+    columns = left + torch.where(flip, 31 - pixels, pixels)  # a flip reads the crop's columns backwards
+    # One gather for the whole batch: image i, every channel, rows[i] x columns[i].
+    image_index = torch.arange(batch, device=device).view(batch, 1, 1, 1)
+    channel_index = torch.arange(3, device=device).view(1, 3, 1, 1)
+    return padded[image_index, channel_index, rows.view(batch, 1, 32, 1), columns.view(batch, 1, 1, 32)]
+
+
+def epoch_batches(size, batch_size, generator, device, rank, world_size):
+    """This rank's share of one epoch's batches, as rows of image indices.
+
+    Every rank draws the same permutation (same seed) and cuts it into global batches of
+    world_size x batch_size; rank r takes the r-th slice of each, so the shares are disjoint.
+    The few images left over change each epoch; a last batch of one would crash BatchNorm.
+    """
+    permutation = torch.randperm(size, device=device, generator=generator)
+    global_batch = batch_size * world_size
+    return permutation[: size // global_batch * global_batch].view(-1, world_size, batch_size)[:, rank]
+
+
+def train_one_epoch(model, train_data, criterion, optimizer, scheduler, scaler, amp_dtype, accum_steps, batch_size,
+                    generator, augment_generator, rank, world_size, device, epoch, profiler):
+    """One pass over `train_data`; returns mean loss, accuracy, optimizer steps and images trained on."""
+    model.train()
+    all_images, all_labels = train_data
+    # opt3: batches are index slices of the on-device dataset: no loader, no workers, no copies
+    batches = epoch_batches(len(all_labels), batch_size, generator, device, rank, world_size)
+    # opt2: accumulating gradients of accum_steps micro-batches gives a big batch's step in less memory;
+    # every step gets exactly accum_steps micro-batches, so a few left over at the end are skipped
+    steps = len(batches) // accum_steps
+    # opt3: losses and correct counts stay on the device: reading them per step would wait for the GPU
+    losses = torch.zeros(steps * accum_steps, device=device)
+    correct = torch.zeros((), dtype=torch.long, device=device)
+    for micro_step, indices in enumerate(batches[: steps * accum_steps]):
+        # opt3: normalize, crop and flip the whole batch on the device; channels_last for the model
+        images = augment(normalize(all_images[indices]), augment_generator)
+        images = images.contiguous(memory_format=torch.channels_last)
+        labels = all_labels[indices]
+        step_ends = (micro_step + 1) % accum_steps == 0
+        # opt4: gradients are all-reduced once per optimizer step, not after every micro-batch
+        with contextlib.nullcontext() if step_ends or world_size == 1 else model.no_sync():
+            # opt1: autocast runs convolutions in 16-bit: half the memory traffic, tensor cores on GPU
+            with torch.autocast(device.type, dtype=amp_dtype):
+                outputs = model(images)
+                loss = criterion(outputs, labels)
+            # opt1: float16 gradients can underflow to zero; GradScaler scales the loss up, then back
+            scaler.scale(loss / accum_steps).backward()  # opt2: the mean over the effective batch
+        if step_ends:
+            scaler.step(optimizer)
+            scaler.update()
+            # opt2: drops the gradients instead of writing zeros (the default since PyTorch 2.0)
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            profiler.step()
+        losses[micro_step] = loss.detach()
+        correct += (outputs.argmax(1) == labels).sum()
+    # opt3: the one wait for the device per epoch; a non-finite loss is found here, not at its step
+    for micro_step, loss_value in enumerate(losses.tolist()):
+        common.check_finite(loss_value, epoch, micro_step // accum_steps + 1)
+    totals = torch.stack([losses.sum(), correct.to(losses.dtype), torch.tensor(float(len(losses)), device=device)])
+    if world_size > 1:
+        dist.all_reduce(totals)  # opt4: loss, accuracy and images/s count every rank's share
+    loss_sum, correct_sum, micro_batches = totals.tolist()
+    images_seen = int(micro_batches) * batch_size
+    return loss_sum / micro_batches, correct_sum / images_seen, steps, images_seen
+
+
+def evaluate(model, test_data, amp_dtype, batch_size, device):
+    """Mean loss and accuracy of `model` on `test_data`."""
+    model.eval()
+    all_images, all_labels = test_data
+    total_loss = torch.zeros((), device=device)
+    correct = torch.zeros((), dtype=torch.long, device=device)
+    with torch.inference_mode():  # opt2: like no_grad, and also skips autograd's version tracking
+        for start in range(0, len(all_labels), batch_size):
+            images = normalize(all_images[start:start + batch_size]).contiguous(memory_format=torch.channels_last)
+            labels = all_labels[start:start + batch_size]
+            with torch.autocast(device.type, dtype=amp_dtype):  # opt1: 16-bit inference too
+                # opt3: average the logits of each image and its mirror (test-time augmentation), in one call
+                outputs = model(torch.cat([images, images.flip(3)])).view(2, len(labels), -1).mean(0)
+            total_loss += F.cross_entropy(outputs, labels, reduction="sum")
+            correct += (outputs.argmax(1) == labels).sum()
+    return total_loss.item() / len(all_labels), correct.item() / len(all_labels)
+
+
+def main():
+    args = parse_args()
+    rank, world_size, device = setup_distributed(common.pick_device(args.device))
+    try:
+        train(args, rank, world_size, device)
+    finally:
+        if world_size > 1:
+            dist.destroy_process_group()  # also on error, so no rank waits for a dead peer
+
+
+def train(args, rank, world_size, device):
+    if rank != 0:
+        sys.stdout = open(os.devnull, "w")  # opt4: one log: only rank 0 prints
+    common.print_settings(__file__, device, args)
+    print(f"{world_size} processes: global batch {world_size * args.batch_size * args.accum_steps} "
+          f"(batch size x processes x accumulation steps)")
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+
+    # opt3: the whole dataset lives on the device as uint8 (180 MB): 4x less to move than float32,
+    # and no loader, workers or host-to-device copy per step; normalize() and augment() run per batch
+    train_set, test_set = common.load_data(args, train_transform=None, test_transform=None)
+    train_data, test_data = load_to_device(train_set, device), load_to_device(test_set, device)
+    generator = torch.Generator(device).manual_seed(args.seed)  # the same permutation on every rank
+    augment_generator = torch.Generator(device).manual_seed(args.seed + rank)  # opt4: each rank its own crops
+
+    # opt1: cuDNN times its convolution algorithms once per input shape and keeps the fastest
+    torch.backends.cudnn.benchmark = True
+    # opt3: channels_last (NHWC) is the layout tensor cores and the CPU's oneDNN convolutions run fastest
+    model = common.ResNet10().to(device, memory_format=torch.channels_last)
+    if args.compile:
+        # opt1: fuses operations into fewer kernels: less memory traffic and Python overhead
+        # opt3: on CUDA, reduce-overhead replays the step as CUDA graphs: one launch, not hundreds
+        model.compile(mode=args.compile_mode or ("reduce-overhead" if device.type == "cuda" else "default"))
+    train_model = model
+    if world_size > 1:
+        # opt4: DDP all-reduces gradients bucket by bucket while backward still runs; buckets are views of
+        # the gradients (no copy); static_graph skips per-step graph checks (it breaks no_sync, so only
+        # without accumulation)
+        train_model = DistributedDataParallel(
+            model, device_ids=[device] if device.type == "cuda" else None, gradient_as_bucket_view=True,
+            static_graph=args.accum_steps == 1)
+    # opt2: label smoothing keeps the logits from growing without bound: better accuracy in few epochs
+    criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
+    # opt1: AdamW adapts the step size per weight, so a fixed learning rate converges faster than SGD's
+    # opt3: fused=True updates all weights in a few kernels instead of several per tensor
+    # opt4: a world_size times larger global batch averages away noise: scale AdamW's rate by its square root
+    max_lr = args.lr * world_size ** 0.5
+    optimizer = torch.optim.AdamW(model.parameters(), lr=max_lr, weight_decay=0.05, fused=True)
+    # opt3: bfloat16 wherever the GPU has it: float32's range, so no GradScaler and no skipped steps
+    amp_dtype = torch.bfloat16 if device.type == "cpu" or torch.cuda.is_bf16_supported() else torch.float16
+    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bfloat16 needs no scaling
+    # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a
+    # fixed rate; its length counts optimizer steps, not micro-batches
+    total_steps = args.epochs * (len(train_data[1]) // (args.batch_size * world_size) // args.accum_steps)
+    if total_steps < 5:
+        common.fail(f"{total_steps} optimizer steps in all are too few for OneCycleLR's warm-up (it needs 5); "
+                    "use more --epochs or --train-size")
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=max_lr, total_steps=total_steps, pct_start=0.25)
+
+    records = []
+    start = common.now(device)
+    for epoch in range(1, args.epochs + 1):
+        with common.profiler(args.profile if epoch == args.epochs and rank == 0 else None, device) as profiler:
+            epoch_start = common.now(device)
+            train_loss, train_accuracy, steps, images = train_one_epoch(
+                train_model, train_data, criterion, optimizer, scheduler, scaler, amp_dtype, args.accum_steps,
+                args.batch_size, generator, augment_generator, rank, world_size, device, epoch, profiler)
+            train_seconds = common.now(device) - epoch_start
+        test_loss, test_accuracy = evaluate(model, test_data, amp_dtype, args.batch_size, device)
+        records.append(common.epoch_record(
+            epoch, train_loss, train_accuracy, test_loss, test_accuracy, train_seconds, steps, images))
+    print(f"rank {rank} of {world_size}: weights checksum {weights_checksum(model)}", file=sys.stderr)
+    if rank != 0:
+        return  # opt4: rank 0 alone writes the report, the weights and the trace
+    common.report(__file__, args, device, records, common.now(device) - start,
+                  extra={"final_lr": optimizer.param_groups[0]["lr"], "world_size": world_size})
+    if args.save:
+        torch.save(model.state_dict(), args.save)
+
+
+if __name__ == "__main__":
+    main()
