@@ -120,7 +120,7 @@ class ImageArrayDataset(torch.utils.data.Dataset):
         return self.transform(Image.fromarray(self.data[index])), self.targets[index]
 
 
-def synthetic_cifar10(size, train, transform, noise=0.6):
+def synthetic_cifar10(size, train, transform, noise=0.45):
     """A learnable CIFAR-shaped dataset: each class is a fixed random image, each sample adds noise.
 
     The class images come from a fixed seed, so the train and test splits share them.

@@ -189,8 +189,8 @@ def train(args, rank, world_size, device):
     if rank != 0:
         sys.stdout = open(os.devnull, "w")  # opt4: one log: only rank 0 prints
     common.print_settings(__file__, device, args)
-    print(f"{world_size} processes: global batch {world_size * args.batch_size * args.accum_steps} "
-          f"(batch size x processes x accumulation steps)")
+    print(f"world size {world_size}: global batch {world_size * args.batch_size * args.accum_steps} "
+          f"(--batch-size x world size x --accum-steps)")
     torch.manual_seed(args.seed)  # the same initial weights on every rank
 
     # opt3: the whole dataset lives on the device as uint8 (180 MB): 4x less to move than float32,

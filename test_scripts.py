@@ -22,6 +22,7 @@ import common
 import opt1
 import opt2
 import opt3
+import opt4
 
 ROOT = Path(__file__).resolve().parent
 SCRIPTS = {"baseline.py": baseline, "opt1.py": opt1, "opt2.py": opt2, "opt3.py": opt3}
@@ -401,3 +402,75 @@ def test_benchmark_prints_a_row_per_script():
 def test_benchmark_rejects_one_epoch():
     result = run_script("benchmark.py", "--epochs", 1)
     assert result.returncode == 2 and "steady state excludes epoch 1" in result.stderr
+
+
+# ------------------------------------------------------------------------- opt4: DDP under torchrun
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+DDP_ARGS = [*SMALL, "--epochs", "2", "--train-size", "1024", "--batch-size", "16", "--no-compile"]
+
+
+def checksums(stderr):
+    return sorted(line.split("weights checksum ")[1] for line in stderr.splitlines() if "weights checksum" in line)
+
+
+def test_opt4_two_processes_learn_print_once_and_end_with_identical_weights(tmp_path):
+    json_path = tmp_path / "result.json"
+    result = subprocess.run([*TORCHRUN, "opt4.py", *DDP_ARGS, "--json", str(json_path)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=600, env={**os.environ, **NO_NETWORK})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("epoch 1:") == 1 and result.stdout.count("done:") == 1
+    assert "world size 2: global batch 32" in result.stdout
+    first, second = checksums(result.stderr)
+    assert first == second, "the ranks' weights differ"
+    report = read_json(json_path)
+    assert report["world_size"] == 2 and report["final_test_accuracy"] > 0.5
+    assert report["epochs"][0]["images"] == 1024, "images/s must count both ranks' images"
+
+
+def test_opt4_without_torchrun_runs_as_one_process(tmp_path):
+    json_path = tmp_path / "result.json"
+    result = run_script("opt4.py", *DDP_ARGS, "--json", json_path)
+    assert result.returncode == 0, result.stderr
+    assert "world size 1: global batch 16" in result.stdout and len(checksums(result.stderr)) == 1
+    assert read_json(json_path)["world_size"] == 1
+
+
+def test_opt4_rank_shares_are_disjoint_and_cover_the_epoch():
+    def share(rank):
+        generator = torch.Generator().manual_seed(0)  # every rank seeds alike
+        return opt4.epoch_batches(100, 8, generator, CPU, rank, world_size=2)
+
+    first, second = share(0), share(1)
+    assert first.shape == second.shape == (6, 8)
+    seen = first.flatten().tolist() + second.flatten().tolist()
+    assert len(set(seen)) == 96, "no image twice; 100 - 96 left over for a full global batch of 16"
+
+
+FAILING_RANK = """
+import os, sys
+sys.path.insert(0, {root!r})
+import opt4
+
+if os.environ["RANK"] == "1":  # rank 1 dies in its third step while rank 0 waits in an all-reduce
+    calls, real_augment = [], opt4.augment
+    def augment(images, generator):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected failure on rank 1")
+        return real_augment(images, generator)
+    opt4.augment = augment
+sys.argv[0] = "opt4.py"
+opt4.main()
+"""
+
+
+def test_opt4_a_failing_rank_ends_the_whole_job_with_its_message(tmp_path):
+    wrapper = tmp_path / "fail_on_rank_1.py"
+    wrapper.write_text(FAILING_RANK.format(root=str(ROOT)))
+    start = time.monotonic()
+    result = subprocess.run([*TORCHRUN, str(wrapper), *DDP_ARGS], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, **NO_NETWORK})
+    assert result.returncode != 0
+    assert "injected failure on rank 1" in result.stderr
+    assert time.monotonic() - start < 240, "torchrun should stop the waiting rank, not hang"
