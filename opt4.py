@@ -210,9 +210,9 @@ def train(args, rank, world_size, device):
         model.compile(mode=args.compile_mode or ("reduce-overhead" if device.type == "cuda" else "default"))
     train_model = model
     if world_size > 1:
-        # opt4: DDP all-reduces gradients bucket by bucket while backward still runs; buckets are views of
-        # the gradients (no copy); static_graph skips per-step graph checks (it breaks no_sync, so only
-        # without accumulation)
+        # opt4: DDP averages gradients over the ranks in buckets, each sent as soon as its gradients are
+        # ready; the buckets are the gradients' own memory (no copy); static_graph skips per-step graph
+        # checks (it breaks no_sync in this torch, so only without accumulation)
         train_model = DistributedDataParallel(
             model, device_ids=[device] if device.type == "cuda" else None, gradient_as_bucket_view=True,
             static_graph=args.accum_steps == 1)
