@@ -28,7 +28,7 @@ def parse_args():
     add("--scripts", nargs="+", default=SCRIPTS, help=f"scripts to compare (default: {' '.join(SCRIPTS)})")
     add("--repeats", type=common.positive_int, default=3, help="rounds over all scripts (default: 3)")
     add("--epochs", type=int, default=2, help="epochs per run; steady state needs 2 or more (default: 2)")
-    add("--batch-size", type=common.positive_int, default=256, help="the same for every script (default: 256)")
+    add("--batch-size", type=common.positive_int, default=128, help="the same for every script (default: 128)")
     add("--train-size", type=common.positive_int, default=2048, help="training images per epoch (default: 2048)")
     add("--test-size", type=common.positive_int, default=1024, help="test images (default: 1024)")
     add("--data-dir", default=None, help="real CIFAR-10 here instead of synthetic data (default: synthetic)")
