@@ -16,6 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 import common
 
 ROOT = Path(__file__).resolve().parent
@@ -58,22 +60,34 @@ def run_once(script, args, json_path):
     return json.loads(Path(json_path).read_text().splitlines()[-1])
 
 
+def matmul_peak_tflops(device, dtype=torch.bfloat16, size=4096, repeats=10):
+    """The device's practical peak: TFLOP/s of a large square matmul, the best of `repeats`."""
+    a, b = torch.randn(size, size, device=device, dtype=dtype), torch.randn(size, size, device=device, dtype=dtype)
+    torch.matmul(a, b)  # warm-up: library initialization, kernel choice
+    best = float("inf")
+    for _ in range(repeats):
+        start = common.now(device)
+        torch.matmul(a, b)
+        best = min(best, common.now(device) - start)
+    return 2 * size**3 / best / 1e12
+
+
 def median(reports, field):
     return statistics.median(report[field] for report in reports)
 
 
-def markdown_table(results):
+def markdown_table(results, peak_tflops):
     """One row per script: medians over its runs."""
     baseline_speed = median(results["baseline.py"], "steady_images_per_second") if "baseline.py" in results else None
-    lines = ["| script | images/s | speedup | ms/step | warm-up s | peak memory GiB | TFLOP/s | test acc % |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| script | images/s | speedup | ms/step | warm-up s | peak memory GiB | TFLOP/s | % of bf16 peak "
+             "| test acc % |", "|---|---|---|---|---|---|---|---|---|"]
     for script, reports in results.items():
-        speed = median(reports, "steady_images_per_second")
+        speed, tflops = median(reports, "steady_images_per_second"), median(reports, "achieved_tflops")
         speedup = f"{speed / baseline_speed:.2f}x" if baseline_speed else "n/a"
         lines.append(
             f"| {script} | {speed:.0f} | {speedup} | {median(reports, 'steady_ms_per_step'):.1f} "
             f"| {median(reports, 'warmup_seconds'):.1f} | {median(reports, 'peak_memory_bytes') / 2**30:.2f} "
-            f"| {median(reports, 'achieved_tflops'):.3f} | {100 * median(reports, 'final_test_accuracy'):.1f} |")
+            f"| {tflops:.3f} | {100 * tflops / peak_tflops:.0f} | {100 * median(reports, 'final_test_accuracy'):.1f} |")
     return "\n".join(lines)
 
 
@@ -88,11 +102,12 @@ def main():
                 print(f"round {round_number}/{args.repeats} {script}: {report['steady_images_per_second']:.0f} img/s, "
                       f"test acc {100 * report['final_test_accuracy']:.1f}%", flush=True)
     first = next(iter(results.values()))[0]
+    peak_tflops = matmul_peak_tflops(torch.device(first["device"]))
     data = f"CIFAR-10 in {args.data_dir}" if args.data_dir else "synthetic data"
     print(f"\n{first['device_name']}, {first['threads']} threads, torch {first['torch']}; {data}, "
           f"{args.train_size} training images x {args.epochs} epochs, batch {args.batch_size}, "
-          f"medians of {args.repeats} rounds\n")
-    print(markdown_table(results))
+          f"medians of {args.repeats} rounds; bf16 peak = a 4096x4096 bfloat16 matmul: {peak_tflops:.2f} TFLOP/s\n")
+    print(markdown_table(results, peak_tflops))
 
 
 if __name__ == "__main__":

@@ -407,7 +407,7 @@ def test_benchmark_prints_a_row_per_script():
                         "--batch-size", 16, "--device", "cpu", "--no-compile")
     assert result.returncode == 0, result.stderr
     table = result.stdout[result.stdout.index("| script"):].splitlines()
-    assert len(table) == 2 + 4
+    assert len(table) == 2 + 4 and "bf16 peak" in result.stdout
     assert [row.split("|")[1].strip() for row in table[2:]] == ["baseline.py", "opt1.py", "opt2.py", "opt3.py"]
     assert table[2].split("|")[3].strip() == "1.00x"
 
