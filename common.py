@@ -361,8 +361,8 @@ def summarize(records, total_seconds, peak_memory, flops_per_image):
         summary.update(
             steady_images_per_second=images_per_second,
             steady_ms_per_step=1000 * seconds / sum(r["steps"] for r in steady),
-            # Warm-up: what epoch 1 took beyond its images at the steady-state rate.
-            warmup_seconds=first["train_seconds"] - first["images"] / images_per_second,
+            # Warm-up: what epoch 1 took beyond its images at the steady-state rate (0 if it was no slower).
+            warmup_seconds=max(0.0, first["train_seconds"] - first["images"] / images_per_second),
             achieved_tflops=images_per_second * flops_per_image / 1e12,
         )
     return summary

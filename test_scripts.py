@@ -322,6 +322,8 @@ def test_steady_state_excludes_the_first_epoch():
     assert summary["steady_ms_per_step"] == pytest.approx(1000.0)
     assert summary["warmup_seconds"] == pytest.approx(90.0)
     assert summary["achieved_tflops"] == pytest.approx(100.0 * 1e9 / 1e12)
+    no_slower = common.summarize([record(10.0), record(10.5)], total_seconds=25.0, peak_memory=1, flops_per_image=1e9)
+    assert no_slower["warmup_seconds"] == 0.0, "machine noise must not show as negative warm-up"
     one_epoch = common.summarize(records[:1], total_seconds=100.0, peak_memory=1, flops_per_image=1e9)
     assert one_epoch["steady_images_per_second"] is None and one_epoch["warmup_seconds"] is None
 
