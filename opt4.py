@@ -191,7 +191,7 @@ def train(args, rank, world_size, device):
     common.print_settings(__file__, device, args)
     print(f"world size {world_size}: global batch {world_size * args.batch_size * args.accum_steps} "
           f"(--batch-size x world size x --accum-steps)")
-    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    torch.manual_seed(args.seed)
 
     # opt3: the whole dataset lives on the device as uint8 (180 MB): 4x less to move than float32,
     # and no loader, workers or host-to-device copy per step; normalize() and augment() run per batch
