@@ -32,10 +32,10 @@ NO_NETWORK = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0
 SMALL = ["--synthetic", "--device", "cpu", "--test-size", "256"]
 
 
-def run_script(script, *args, timeout=600):
-    """Run `python script args` in a fresh process, offline; returns the CompletedProcess."""
+def run_script(*args, timeout=600):
+    """Run `python args...` in a fresh process, offline; returns the CompletedProcess."""
     env = {**os.environ, **NO_NETWORK}
-    return subprocess.run([sys.executable, script, *map(str, args)], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -421,8 +421,8 @@ def test_benchmark_rejects_one_epoch():
 
 # ------------------------------------------------------------------------- opt4: DDP under torchrun
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-DDP_ARGS = [*SMALL, "--epochs", "2", "--train-size", "1024", "--batch-size", "16", "--no-compile"]
+TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]  # for run_script
+DDP_ARGS = [*SMALL, "--epochs", "2", "--batch-size", "16", "--no-compile"]
 
 
 def checksums(stderr):
@@ -431,8 +431,7 @@ def checksums(stderr):
 
 def test_opt4_two_processes_learn_print_once_and_end_with_identical_weights(tmp_path):
     json_path = tmp_path / "result.json"
-    result = subprocess.run([*TORCHRUN, "opt4.py", *DDP_ARGS, "--json", str(json_path)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=600, env={**os.environ, **NO_NETWORK})
+    result = run_script(*TORCHRUN, "opt4.py", *DDP_ARGS, "--train-size", 1024, "--json", json_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("epoch 1:") == 1 and result.stdout.count("done:") == 1
     assert "world size 2: global batch 32" in result.stdout
@@ -484,8 +483,7 @@ def test_opt4_a_failing_rank_ends_the_whole_job_with_its_message(tmp_path):
     wrapper = tmp_path / "fail_on_rank_1.py"
     wrapper.write_text(FAILING_RANK.format(root=str(ROOT)))
     start = time.monotonic()
-    result = subprocess.run([*TORCHRUN, str(wrapper), *DDP_ARGS], cwd=ROOT, capture_output=True, text=True,
-                            timeout=300, env={**os.environ, **NO_NETWORK})
+    result = run_script(*TORCHRUN, wrapper, *DDP_ARGS, "--train-size", 1024, timeout=300)
     assert result.returncode != 0
     assert "injected failure on rank 1" in result.stderr
     assert time.monotonic() - start < 240, "torchrun should stop the waiting rank, not hang"
