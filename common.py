@@ -25,6 +25,8 @@ from torchvision import transforms
 # Per-channel statistics of the 50,000 CIFAR-10 training images.
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+# Random crops move an image by at most this many pixels: 2 gave more 5-epoch accuracy than the usual 4
+CROP_PADDING = 2
 CIFAR10_TRAIN_SIZE = 50_000
 CIFAR10_TEST_SIZE = 10_000
 
@@ -92,9 +94,9 @@ def normalized_transform():
 
 
 def augmented_transform():
-    """Random 32x32 crop of the 4-pixel padded image and a random horizontal flip, then normalize."""
+    """Random 32x32 crop of the padded image (CROP_PADDING pixels) and a random horizontal flip, then normalize."""
     return transforms.Compose([
-        transforms.RandomCrop(32, padding=4, padding_mode="reflect"),
+        transforms.RandomCrop(32, padding=CROP_PADDING, padding_mode="reflect"),
         transforms.RandomHorizontalFlip(),
         transforms.ToTensor(),
         transforms.Normalize(CIFAR10_MEAN, CIFAR10_STD),

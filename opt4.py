@@ -24,7 +24,7 @@ import common
 
 def parse_args():
     # opt2: a bigger batch keeps the GPU busy with fewer, larger kernels and fewer optimizer steps
-    parser = common.build_parser(__doc__, batch_size=128, lr=3e-3)
+    parser = common.build_parser(__doc__, batch_size=128, lr=5e-3)
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="torch.compile the model; --no-compile runs eager (default: on)")
     parser.add_argument("--compile-mode", default=None,
@@ -84,10 +84,10 @@ def normalize(images):
 
 
 def augment(images, generator):
-    """Per image: a random 32x32 crop of the 4-pixel reflect-padded image and a random horizontal flip."""
-    batch, device = len(images), images.device
-    padded = F.pad(images, (4, 4, 4, 4), mode="reflect")
-    top, left = torch.randint(0, 9, (2, batch, 1), device=device, generator=generator)
+    """Per image: a random 32x32 crop of the reflect-padded image and a random horizontal flip."""
+    batch, device, pad = len(images), images.device, common.CROP_PADDING
+    padded = F.pad(images, (pad, pad, pad, pad), mode="reflect")
+    top, left = torch.randint(0, 2 * pad + 1, (2, batch, 1), device=device, generator=generator)
     flip = torch.rand(batch, 1, device=device, generator=generator) < 0.5
     pixels = torch.arange(32, device=device)
     rows = top + pixels

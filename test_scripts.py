@@ -361,11 +361,13 @@ def test_profile_writes_a_trace(tmp_path):
 
 def test_opt3_augment_crops_a_translate_of_the_padded_image_and_flips_a_mirror():
     images = torch.rand(32, 3, 32, 32)
-    padded = torch.nn.functional.pad(images, (4, 4, 4, 4), mode="reflect")
+    pad = common.CROP_PADDING
+    padded = torch.nn.functional.pad(images, (pad, pad, pad, pad), mode="reflect")
     augmented = opt3.augment(images, torch.Generator().manual_seed(0))
     found = set()
+    shifts = range(2 * pad + 1)
     for i in range(len(images)):
-        matches = [(top, left, flip) for top in range(9) for left in range(9) for flip in (False, True)
+        matches = [(top, left, flip) for top in shifts for left in shifts for flip in (False, True)
                    if torch.equal(augmented[i], (lambda crop: crop.flip(2) if flip else crop)(
                        padded[i, :, top:top + 32, left:left + 32]))]
         assert matches, f"image {i} is not a crop of its padded image, plain or mirrored"
