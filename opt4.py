@@ -24,7 +24,7 @@ import common
 
 def parse_args():
     # opt2: a bigger batch keeps the GPU busy with fewer, larger kernels and fewer optimizer steps
-    parser = common.build_parser(__doc__, batch_size=128, lr=5e-3)
+    parser = common.build_parser(__doc__, batch_size=128, lr=8e-3)
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="torch.compile the model; --no-compile runs eager (default: on)")
     parser.add_argument("--compile-mode", default=None,
