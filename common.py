@@ -248,7 +248,7 @@ def check_args(args, images_per_step):
 
 def print_settings(script, device, args):
     """One line naming the script, the device and every setting, so a log says what produced it."""
-    settings = ", ".join(f"{name} {value}" for name, value in vars(args).items() if value not in (None, False))
+    settings = ", ".join(f"{name} {value}" for name, value in vars(args).items() if value is not None)
     print(f"{Path(script).name} on {device}: {settings}")
 
 
