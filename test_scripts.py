@@ -120,6 +120,12 @@ def test_help_documents_every_flag_with_its_default(script):
     assert all("default" in text for text in help_texts), help_texts
 
 
+def test_settings_line_shows_zero_and_off_values(capsys):
+    args = SimpleNamespace(seed=0, label_smoothing=0.0, compile=False, json=None)
+    common.print_settings("opt2.py", CPU, args)
+    assert capsys.readouterr().out == "opt2.py on cpu: seed 0, label_smoothing 0.0, compile False\n"
+
+
 # ----------------------------------------------------------------------------------- bad input
 
 @pytest.mark.parametrize("args, says", [
@@ -303,12 +309,6 @@ def test_onecycle_length_counts_optimizer_steps(accum_steps, tmp_path):
     assert report["final_lr"] == pytest.approx(onecycle_lr_after(optimizer_steps, report["settings"]["lr"]))
     if accum_steps > 1:
         assert report["final_lr"] != pytest.approx(onecycle_lr_after(2 * 10, report["settings"]["lr"]))
-
-
-def test_settings_line_shows_zero_and_off_values(capsys):
-    args = SimpleNamespace(seed=0, label_smoothing=0.0, compile=False, json=None)
-    common.print_settings("opt2.py", CPU, args)
-    assert capsys.readouterr().out == "opt2.py on cpu: seed 0, label_smoothing 0.0, compile False\n"
 
 
 # ---------------------------------------------------------------------------- timing and model
