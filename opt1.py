@@ -23,7 +23,7 @@ def parse_args():
     return common.check_args(args, images_per_step=args.batch_size)
 
 
-def train_one_epoch(model, loader, criterion, optimizer, scaler, amp_dtype, device, epoch, profiler):
+def train_one_epoch(model, loader, criterion, optimizer, scaler, amp_dtype, device, epoch, monitor):
     """One pass over `loader`; returns mean loss, accuracy, optimizer steps and images trained on."""
     model.train()
     total_loss, correct, images_seen = 0.0, 0, 0
@@ -39,7 +39,7 @@ def train_one_epoch(model, loader, criterion, optimizer, scaler, amp_dtype, devi
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad()
-        profiler.step()
+        monitor.step()
         total_loss += loss.item() * len(labels)
         correct += (outputs.argmax(1) == labels).sum().item()
         images_seen += len(labels)
@@ -67,7 +67,7 @@ def main():
     torch.manual_seed(args.seed)
 
     train_set, test_set = common.load_data(args, common.plain_transform(), common.plain_transform())
-    # drop_last: a last batch of one image would crash BatchNorm (it needs 2 to normalize)
+    # drop_last: every step trains on a full batch; a small last one is a noisy step (and, compiled, a new shape)
     train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, drop_last=True)
     test_loader = DataLoader(test_set, batch_size=args.batch_size)
 
@@ -86,10 +86,10 @@ def main():
     records = []
     start = common.now(device)
     for epoch in range(1, args.epochs + 1):
-        with common.profiler(args.profile if epoch == args.epochs else None, device) as profiler:
+        with common.step_monitor(epoch, args.profile if epoch == args.epochs else None, device) as monitor:
             epoch_start = common.now(device)
             train_loss, train_accuracy, steps, images = train_one_epoch(
-                model, train_loader, criterion, optimizer, scaler, amp_dtype, device, epoch, profiler)
+                model, train_loader, criterion, optimizer, scaler, amp_dtype, device, epoch, monitor)
             train_seconds = common.now(device) - epoch_start
         test_loss, test_accuracy = evaluate(model, test_loader, amp_dtype, device)
         records.append(common.epoch_record(

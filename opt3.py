@@ -34,6 +34,17 @@ def parse_args():
     return common.check_args(args, images_per_step=args.batch_size * args.accum_steps)
 
 
+def autocast_dtype(device):
+    """bfloat16 on the CPU and on GPUs that run it natively (Ampere, sm_80, and newer), else float16.
+
+    Not torch.cuda.is_bf16_supported() alone: it also counts GPUs that only emulate bfloat16 (T4,
+    sm_75), where inductor will not compile bfloat16 and the model would run eager and slow.
+    """
+    if device.type == "cpu" or torch.cuda.is_bf16_supported(including_emulation=False):
+        return torch.bfloat16
+    return torch.float16
+
+
 def load_to_device(dataset, device):
     """A dataset's images (uint8, N x 3 x 32 x 32, channels_last in memory) and labels on `device`."""
     images = torch.as_tensor(dataset.data).permute(0, 3, 1, 2)  # the NHWC bytes are already channels_last
@@ -71,14 +82,14 @@ def augment(images, generator):
 def epoch_batches(size, batch_size, generator, device):
     """One epoch's batches as rows of image indices: a fresh permutation cut into full batches.
 
-    The few images left over change each epoch; a last batch of one would crash BatchNorm.
+    The few images left over change each epoch; every batch is full, so a compiled step sees one shape.
     """
     permutation = torch.randperm(size, device=device, generator=generator)
     return permutation[: size // batch_size * batch_size].view(-1, batch_size)
 
 
-def train_one_epoch(model, train_data, criterion, optimizer, scheduler, scaler, amp_dtype, accum_steps, batch_size,
-                    generator, device, epoch, profiler):
+def train_one_epoch(model, train_data, criterion, optimizer, scheduler, scaler, amp_dtype, accum_steps, keep_gradients,
+                    batch_size, generator, device, epoch, monitor):
     """One pass over `train_data`; returns mean loss, accuracy, optimizer steps and images trained on."""
     model.train()
     all_images, all_labels = train_data
@@ -104,9 +115,9 @@ def train_one_epoch(model, train_data, criterion, optimizer, scheduler, scaler, 
             scaler.step(optimizer)
             scaler.update()
             # opt2: drops the gradients instead of writing zeros (the default since PyTorch 2.0)
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=not keep_gradients)  # opt3: unless they must stay put (main)
             scheduler.step()
-            profiler.step()
+            monitor.step()
         losses[micro_step] = loss.detach()
         correct += (outputs.argmax(1) == labels).sum()
     # opt3: the one wait for the device per epoch; a non-finite loss is found here, not at its step
@@ -154,13 +165,19 @@ def main():
         # opt1: fuses operations into fewer kernels: less memory traffic and Python overhead
         # opt3: on CUDA, reduce-overhead replays the step as CUDA graphs: one launch, not hundreds
         model.compile(mode=args.compile_mode or ("reduce-overhead" if device.type == "cuda" else "default"))
+    # opt3: accumulating under CUDA graphs needs gradients that stay put: one that backward creates lives in the
+    # graphs' memory pool, which the next micro-batch's forward overwrites; so allocate them once and zero them
+    keep_gradients = args.accum_steps > 1
+    if keep_gradients:
+        for parameter in model.parameters():
+            parameter.grad = torch.zeros_like(parameter)
     # opt2: label smoothing keeps the logits from growing without bound: better accuracy in few epochs
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     # opt1: AdamW adapts the step size per weight, so a fixed learning rate converges faster than SGD's
     # opt3: fused=True updates all weights in a few kernels instead of several per tensor
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.05, fused=True)
     # opt3: bfloat16 wherever the GPU has it: float32's range, so no GradScaler and no skipped steps
-    amp_dtype = torch.bfloat16 if device.type == "cpu" or torch.cuda.is_bf16_supported() else torch.float16
+    amp_dtype = autocast_dtype(device)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bfloat16 needs no scaling
     # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a
     # fixed rate; its length counts optimizer steps, not micro-batches
@@ -173,11 +190,11 @@ def main():
     records = []
     start = common.now(device)
     for epoch in range(1, args.epochs + 1):
-        with common.profiler(args.profile if epoch == args.epochs else None, device) as profiler:
+        with common.step_monitor(epoch, args.profile if epoch == args.epochs else None, device) as monitor:
             epoch_start = common.now(device)
             train_loss, train_accuracy, steps, images = train_one_epoch(
                 model, train_data, criterion, optimizer, scheduler, scaler, amp_dtype, args.accum_steps,
-                args.batch_size, generator, device, epoch, profiler)
+                keep_gradients, args.batch_size, generator, device, epoch, monitor)
             train_seconds = common.now(device) - epoch_start
         test_loss, test_accuracy = evaluate(model, test_data, amp_dtype, args.batch_size, device)
         records.append(common.epoch_record(

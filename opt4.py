@@ -52,16 +52,48 @@ def setup_distributed(device):
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def weights_checksum(model):
-    """A short hash of every parameter's bytes: equal on all ranks when DDP kept them in step.
+@contextlib.contextmanager
+def local_rank_zero_first(world_size):
+    """Runs the body on each machine's first process before its others: one download per machine, not one per rank."""
+    first = world_size == 1 or int(os.environ["LOCAL_RANK"]) == 0
+    if not first:
+        dist.barrier()  # wait until the first process has the data
+    yield
+    if first and world_size > 1:
+        dist.barrier()  # let the others read it
 
-    BatchNorm's running statistics are left out: DDP copies rank 0's to all ranks before each
-    forward, and each rank's last forward then updates its own.
+
+def average_batchnorm_statistics(model, world_size):
+    """Average BatchNorm's running means and variances over the ranks, so every rank evaluates the same model.
+
+    Each rank's statistics follow its own share of the data. Averaging them once per evaluation
+    replaces DDP's broadcast of rank 0's before every forward (off: forward_sync_buffers=False).
     """
+    if world_size == 1:
+        return
+    for buffer in model.buffers():
+        if buffer.is_floating_point():  # num_batches_tracked counts the same steps on every rank
+            dist.all_reduce(buffer)
+            buffer /= world_size
+
+
+def weights_checksum(model):
+    """A short hash of every parameter's and buffer's bytes: equal on all ranks when they are in step."""
     digest = hashlib.sha256()
-    for parameter in model.parameters():
-        digest.update(parameter.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    for tensor in [*model.parameters(), *model.buffers()]:
+        digest.update(tensor.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+def autocast_dtype(device):
+    """bfloat16 on the CPU and on GPUs that run it natively (Ampere, sm_80, and newer), else float16.
+
+    Not torch.cuda.is_bf16_supported() alone: it also counts GPUs that only emulate bfloat16 (T4,
+    sm_75), where inductor will not compile bfloat16 and the model would run eager and slow.
+    """
+    if device.type == "cpu" or torch.cuda.is_bf16_supported(including_emulation=False):
+        return torch.bfloat16
+    return torch.float16
 
 
 def load_to_device(dataset, device):
@@ -103,15 +135,15 @@ def epoch_batches(size, batch_size, generator, device, rank, world_size):
 
     Every rank draws the same permutation (same seed) and cuts it into global batches of
     world_size x batch_size; rank r takes the r-th slice of each, so the shares are disjoint.
-    The few images left over change each epoch; a last batch of one would crash BatchNorm.
+    The few images left over change each epoch; every batch is full, so a compiled step sees one shape.
     """
     permutation = torch.randperm(size, device=device, generator=generator)
     global_batch = batch_size * world_size
     return permutation[: size // global_batch * global_batch].view(-1, world_size, batch_size)[:, rank]
 
 
-def train_one_epoch(model, train_data, criterion, optimizer, scheduler, scaler, amp_dtype, accum_steps, batch_size,
-                    generator, augment_generator, rank, world_size, device, epoch, profiler):
+def train_one_epoch(model, train_data, criterion, optimizer, scheduler, scaler, amp_dtype, accum_steps, keep_gradients,
+                    batch_size, generator, augment_generator, rank, world_size, device, epoch, monitor):
     """One pass over `train_data`; returns mean loss, accuracy, optimizer steps and images trained on."""
     model.train()
     all_images, all_labels = train_data
@@ -141,9 +173,9 @@ def train_one_epoch(model, train_data, criterion, optimizer, scheduler, scaler, 
             scaler.step(optimizer)
             scaler.update()
             # opt2: drops the gradients instead of writing zeros (the default since PyTorch 2.0)
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=not keep_gradients)  # opt3: unless they must stay put (main)
             scheduler.step()
-            profiler.step()
+            monitor.step()
         losses[micro_step] = loss.detach()
         correct += (outputs.argmax(1) == labels).sum()
     # opt3: the one wait for the device per epoch; a non-finite loss is found here, not at its step
@@ -195,7 +227,8 @@ def train(args, rank, world_size, device):
 
     # opt3: the whole dataset lives on the device as uint8 (180 MB): 4x less to move than float32,
     # and no loader, workers or host-to-device copy per step; normalize() and augment() run per batch
-    train_set, test_set = common.load_data(args, train_transform=None, test_transform=None)
+    with local_rank_zero_first(world_size):  # opt4: ranks that share a machine share its one download
+        train_set, test_set = common.load_data(args, train_transform=None, test_transform=None)
     train_data, test_data = load_to_device(train_set, device), load_to_device(test_set, device)
     generator = torch.Generator(device).manual_seed(args.seed)  # the same permutation on every rank
     augment_generator = torch.Generator(device).manual_seed(args.seed + rank)  # opt4: each rank its own crops
@@ -208,14 +241,22 @@ def train(args, rank, world_size, device):
         # opt1: fuses operations into fewer kernels: less memory traffic and Python overhead
         # opt3: on CUDA, reduce-overhead replays the step as CUDA graphs: one launch, not hundreds
         model.compile(mode=args.compile_mode or ("reduce-overhead" if device.type == "cuda" else "default"))
+    # opt3: accumulating under CUDA graphs needs gradients that stay put: one that backward creates lives in the
+    # graphs' memory pool, which the next micro-batch's forward overwrites; so allocate them once and zero them
+    # opt4: and under DDP, where they are views of its all-reduce buckets: set to None, every step would copy them
+    keep_gradients = args.accum_steps > 1 or world_size > 1
+    if keep_gradients:
+        for parameter in model.parameters():
+            parameter.grad = torch.zeros_like(parameter)
     train_model = model
     if world_size > 1:
         # opt4: DDP averages gradients over the ranks in buckets, each sent as soon as its gradients are
-        # ready; the buckets are the gradients' own memory (no copy); static_graph skips per-step graph
-        # checks (it breaks no_sync in this torch, so only without accumulation)
+        # ready; the kept gradients are views of the buckets (no copy); no BatchNorm buffer broadcast
+        # before every forward (average_batchnorm_statistics does it once per evaluation); static_graph
+        # skips per-step graph checks (it breaks no_sync in this torch, so only without accumulation)
         train_model = DistributedDataParallel(
             model, device_ids=[device] if device.type == "cuda" else None, gradient_as_bucket_view=True,
-            static_graph=args.accum_steps == 1)
+            forward_sync_buffers=False, static_graph=args.accum_steps == 1)
     # opt2: label smoothing keeps the logits from growing without bound: better accuracy in few epochs
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     # opt1: AdamW adapts the step size per weight, so a fixed learning rate converges faster than SGD's
@@ -224,7 +265,7 @@ def train(args, rank, world_size, device):
     max_lr = args.lr * world_size ** 0.5
     optimizer = torch.optim.AdamW(model.parameters(), lr=max_lr, weight_decay=0.05, fused=True)
     # opt3: bfloat16 wherever the GPU has it: float32's range, so no GradScaler and no skipped steps
-    amp_dtype = torch.bfloat16 if device.type == "cpu" or torch.cuda.is_bf16_supported() else torch.float16
+    amp_dtype = autocast_dtype(device)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bfloat16 needs no scaling
     # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a
     # fixed rate; its length counts optimizer steps, not micro-batches
@@ -237,12 +278,14 @@ def train(args, rank, world_size, device):
     records = []
     start = common.now(device)
     for epoch in range(1, args.epochs + 1):
-        with common.profiler(args.profile if epoch == args.epochs and rank == 0 else None, device) as profiler:
+        profile_dir = args.profile if epoch == args.epochs and rank == 0 else None
+        with common.step_monitor(epoch, profile_dir, device) as monitor:
             epoch_start = common.now(device)
             train_loss, train_accuracy, steps, images = train_one_epoch(
                 train_model, train_data, criterion, optimizer, scheduler, scaler, amp_dtype, args.accum_steps,
-                args.batch_size, generator, augment_generator, rank, world_size, device, epoch, profiler)
+                keep_gradients, args.batch_size, generator, augment_generator, rank, world_size, device, epoch, monitor)
             train_seconds = common.now(device) - epoch_start
+        average_batchnorm_statistics(model, world_size)  # opt4: every rank evaluates and saves the same model
         test_loss, test_accuracy = evaluate(model, test_data, amp_dtype, args.batch_size, device)
         records.append(common.epoch_record(
             epoch, train_loss, train_accuracy, test_loss, test_accuracy, train_seconds, steps, images))

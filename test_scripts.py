@@ -1,4 +1,5 @@
 """Tests for the fast-cifar scripts. CPU only, tiny data, no network: `python -m pytest -q`."""
+import collections
 import contextlib
 import inspect
 import json
@@ -8,6 +9,7 @@ import re
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,9 +18,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torchvision
+from torch.overrides import TorchFunctionMode
 from torch.utils.data import DataLoader, TensorDataset
 
 import baseline
+import benchmark
 import common
 import opt1
 import opt2
@@ -31,6 +35,7 @@ CPU = torch.device("cpu")
 # Point downloads at a closed local port, so "no network" fails at once on any machine.
 NO_NETWORK = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}
 SMALL = ["--synthetic", "--device", "cpu", "--test-size", "256"]
+NO_MONITOR = SimpleNamespace(step=lambda: None)  # what common.step_monitor yields, minus progress and profiling
 
 
 def run_script(*args, timeout=600):
@@ -96,11 +101,19 @@ def test_script_learns_reports_and_saves(script, tmp_path):
     assert report["epochs"][1]["train_loss"] < report["epochs"][0]["train_loss"]
     assert all(value is not None for value in report.values())
 
+    assert_saved_weights_match_the_report(weights, report, SCRIPTS[script], EVAL_TRANSFORM[script])
+
+
+def assert_saved_weights_match_the_report(weights, report, module, transform):
+    """The saved state_dict loads into a fresh ResNet10 and scores what the run reported for its last epoch."""
     model = common.ResNet10()
     model.load_state_dict(torch.load(weights))  # strict: fails on an `_orig_mod.` prefix
-    transform = EVAL_TRANSFORM[script] and EVAL_TRANSFORM[script]()
-    test_set = common.synthetic_cifar10(256, train=False, transform=transform)
-    _, accuracy = script_evaluate(SCRIPTS[script], model, test_set)
+    test_set = common.synthetic_cifar10(256, train=False, transform=transform and transform())
+    loss, accuracy = script_evaluate(module, model, test_set)
+    # Accuracy reaches 100 % early on this data; the test loss still moves every epoch, so it names the epoch.
+    first_loss, last_loss = report["epochs"][0]["test_loss"], report["epochs"][-1]["test_loss"]
+    assert loss == pytest.approx(last_loss, rel=0.03)
+    assert first_loss != pytest.approx(last_loss, rel=0.03), "the comparison must be able to tell the epochs apart"
     assert accuracy == pytest.approx(report["final_test_accuracy"], abs=0.01)
 
 
@@ -135,7 +148,6 @@ def test_settings_line_shows_zero_and_off_values(capsys):
     (["--lr", "nan"], "--lr: must be a positive number"),
     (["--device", "tpu"], "--device: invalid choice"),
     (["--unknown-flag"], "unrecognized arguments: --unknown-flag"),
-    (["--batch-size", "1"], "BatchNorm needs 2 images"),
     (["--train-size", "60000", "--synthetic"], "--train-size 60000 is larger than the 50000 train images"),
     (["--train-size", "10", "--synthetic"], "smaller than one optimizer step"),
     (["--data-dir", "{empty}"], "the download failed"),
@@ -180,12 +192,15 @@ def test_too_few_optimizer_steps_for_onecycle_exit_2():
     assert result.returncode == 2 and "too few for OneCycleLR" in result.stderr, result.stderr
 
 
-def test_a_last_batch_of_one_image_does_not_crash_batchnorm(tmp_path):
+@pytest.mark.parametrize("script, flags", [("baseline.py", []), ("opt1.py", ["--no-compile"]),
+                                           ("opt2.py", ["--no-compile", "--workers", "0"])])
+def test_every_training_step_gets_a_full_batch(script, flags, tmp_path):
     json_path = tmp_path / "result.json"
-    result = run_script("baseline.py", *SMALL, "--epochs", 1, "--train-size", 2 * 16 + 1,
-                        "--batch-size", 16, "--json", json_path)
+    result = run_script(script, *SMALL, *flags, "--epochs", 1, "--train-size", 6 * 4 + 1, "--batch-size", 4,
+                        "--test-size", 8, "--json", json_path)
     assert result.returncode == 0, result.stderr
-    assert read_json(json_path)["epochs"][0]["steps"] == 2
+    epoch = read_json(json_path)["epochs"][0]
+    assert (epoch["steps"], epoch["images"]) == (6, 24), "the last image alone must not make a step"
 
 
 class NaNModel(nn.Module):
@@ -208,8 +223,8 @@ def test_a_non_finite_loss_stops_the_run_naming_epoch_and_step(script, capsys):
         call(SCRIPTS[script].train_one_epoch, model=model, loader=loader, train_data=(images, labels),
              criterion=nn.CrossEntropyLoss(), optimizer=optimizer, scheduler=scheduler,
              scaler=torch.amp.GradScaler("cpu", enabled=False), amp_dtype=torch.bfloat16, accum_steps=1,
-             batch_size=4, generator=torch.Generator().manual_seed(0), device=CPU, epoch=3,
-             profiler=SimpleNamespace(step=lambda: None))
+             keep_gradients=False, batch_size=4, generator=torch.Generator().manual_seed(0), device=CPU, epoch=3,
+             monitor=NO_MONITOR)
     assert exit_info.value.code == 1
     assert "loss is nan at epoch 3, step 1" in capsys.readouterr().err
     if script != "opt3.py":  # opt3 reads its losses once per epoch, after the steps
@@ -270,8 +285,7 @@ def accumulated_weights(batch_size, accum_steps, monkeypatch):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     _, _, steps, images = opt2.train_one_epoch(
         model, DataLoader(data, batch_size=batch_size), nn.CrossEntropyLoss(), optimizer, scheduler,
-        torch.amp.GradScaler("cpu", enabled=False), torch.float32, accum_steps, CPU, 1,
-        SimpleNamespace(step=lambda: None))
+        torch.amp.GradScaler("cpu", enabled=False), torch.float32, accum_steps, CPU, 1, NO_MONITOR)
     return torch.nn.utils.parameters_to_vector(model.parameters()).detach(), steps, images
 
 
@@ -294,12 +308,13 @@ def onecycle_lr_after(total_steps, max_lr):
     return optimizer.param_groups[0]["lr"]
 
 
-@pytest.mark.parametrize("accum_steps", [1, 3])
-def test_onecycle_length_counts_optimizer_steps(accum_steps, tmp_path):
+@pytest.mark.parametrize("script, accum_steps", [("opt2.py", 1), ("opt2.py", 3), ("opt3.py", 3), ("opt4.py", 3)])
+def test_onecycle_length_counts_optimizer_steps(script, accum_steps, tmp_path):
     json_path = tmp_path / "result.json"
+    workers = ["--workers", 0] if script == "opt2.py" else []
     # 10 batches per epoch: not divisible by 3, so micro-batches and optimizer steps differ.
-    result = run_script("opt2.py", *SMALL, "--epochs", 2, "--train-size", 160, "--batch-size", 16,
-                        "--accum-steps", accum_steps, "--no-compile", "--workers", 0, "--json", json_path)
+    result = run_script(script, *SMALL, "--epochs", 2, "--train-size", 160, "--batch-size", 16,
+                        "--accum-steps", accum_steps, "--no-compile", *workers, "--json", json_path)
     assert result.returncode == 0, result.stderr
     report = read_json(json_path)
     assert [epoch["steps"] for epoch in report["epochs"]] == [10 // accum_steps] * 2
@@ -317,6 +332,33 @@ def test_clock_measures_a_known_sleep():
     start = common.now(CPU)
     time.sleep(0.2)
     assert 0.19 < common.now(CPU) - start < 0.3
+
+
+def test_clock_waits_for_the_gpu_before_reading_the_time(monkeypatch):
+    events = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append(("synchronize", device)))
+    monkeypatch.setattr(common.time, "perf_counter", lambda: events.append(("clock", None)) or 1.0)
+    gpu = torch.device("cuda", 0)
+    assert common.now(gpu) == 1.0
+    assert events == [("synchronize", gpu), ("clock", None)]
+    events.clear()
+    common.now(CPU)
+    assert events == [("clock", None)], "the CPU has nothing to wait for"
+
+
+def test_progress_prints_a_line_every_30_seconds_of_a_long_epoch(capsys):
+    seconds = iter([0, 10, 20, 31, 40, 62])  # the monitor's clock: at the start, then at each step
+    with common.step_monitor(2, None, CPU, clock=lambda: next(seconds)) as monitor:
+        for _ in range(5):
+            monitor.step()
+    assert capsys.readouterr().out == "  epoch 2: 3 steps in 31 s\n  epoch 2: 5 steps in 62 s\n"
+
+
+def test_progress_is_silent_in_a_short_epoch(capsys):
+    with common.step_monitor(1, None, CPU) as monitor:
+        for _ in range(100):
+            monitor.step()
+    assert capsys.readouterr().out == ""
 
 
 def test_steady_state_excludes_the_first_epoch():
@@ -411,6 +453,249 @@ def test_opt3_flip_tta_equals_plain_evaluation_on_mirror_symmetric_images(monkey
     assert tta_loss(asymmetric) != pytest.approx(plain_loss(asymmetric), rel=1e-5), "the test must be able to fail"
 
 
+# --------------------------------------------------------------- what each optimization turns on
+
+class RecordingResNet10(common.ResNet10):
+    """ResNet10 that notes what its first training forward saw: the input's layout and the logits' dtype."""
+    seen = {}
+
+    def forward(self, images):
+        outputs = super().forward(images)
+        if self.training and not RecordingResNet10.seen:
+            RecordingResNet10.seen.update(channels_last=images.is_contiguous(memory_format=torch.channels_last)
+                                          and not images.is_contiguous(), logits_dtype=outputs.dtype)
+        return outputs
+
+
+# script: (dtype of the logits in training, channels_last input, fused AdamW, label smoothing)
+IN_EFFECT = {
+    "baseline.py": (torch.float32, False, None, 0.0),
+    "opt1.py": (torch.bfloat16, False, False, 0.0),  # bfloat16: the CPU's 16-bit type
+    "opt2.py": (torch.bfloat16, False, False, 0.1),
+    "opt3.py": (torch.bfloat16, True, True, 0.1),
+}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_each_scripts_optimizations_are_in_effect(script, monkeypatch):
+    created = {}
+
+    class AdamW(torch.optim.AdamW):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            created["fused"] = bool(self.defaults["fused"])
+
+    class CrossEntropyLoss(nn.CrossEntropyLoss):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            created["label_smoothing"] = self.label_smoothing
+
+    RecordingResNet10.seen.clear()
+    monkeypatch.setattr(common, "ResNet10", RecordingResNet10)
+    monkeypatch.setattr(torch.optim, "AdamW", AdamW)
+    monkeypatch.setattr(nn, "CrossEntropyLoss", CrossEntropyLoss)
+    flags = [] if script == "baseline.py" else ["--no-compile"]
+    flags += ["--workers", "0"] if script == "opt2.py" else []
+    monkeypatch.setattr(sys, "argv", [script, *SMALL, *flags, "--epochs", "1", "--train-size", "80",
+                                      "--batch-size", "16", "--test-size", "16"])
+    SCRIPTS[script].main()
+    seen = RecordingResNet10.seen
+    assert (seen["logits_dtype"], seen["channels_last"], created.get("fused"), created["label_smoothing"]) == \
+        IN_EFFECT[script]
+
+
+def test_opt3_picks_bfloat16_only_where_the_gpu_runs_it_natively(monkeypatch):
+    gpu = torch.device("cuda", 0)
+    for module in (opt3, opt4):
+        assert module.autocast_dtype(CPU) == torch.bfloat16
+        # An Ampere or newer GPU: bfloat16 in hardware.
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+        assert module.autocast_dtype(gpu) == torch.bfloat16
+        # A T4 (sm_75): bfloat16 only emulated, which is_bf16_supported() counts unless told not to.
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+        assert module.autocast_dtype(gpu) == torch.float16
+
+
+def test_opt2_loader_workers_default_to_none_on_the_cpu_and_four_with_a_gpu(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert opt2.default_workers(CPU) == 0
+    assert opt2.default_workers(torch.device("cuda", 0)) == 4
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert opt2.default_workers(torch.device("cuda", 0)) == 2
+    monkeypatch.setattr(sys, "argv", ["opt2.py"])
+    assert opt2.parse_args().workers is None, "None: main() picks by device"
+
+
+# ------------------------------------------------------ float16 + GradScaler: a GPU path, run on the CPU
+
+ALL_SCRIPTS = {**SCRIPTS, "opt4.py": opt4}
+
+
+def small_net():
+    """A conv net with BatchNorm, small enough for float16 on the CPU (slow there) to take a second."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(8), nn.Flatten(), nn.Linear(16 * 64, 10))
+
+
+def train_float16_epoch(script, model, optimizer, scaler, size=64):
+    """One epoch of `script`'s own train_one_epoch in float16 autocast with `scaler`, as a GPU without bfloat16 runs it."""
+    torch.manual_seed(0)
+    loader = DataLoader(common.synthetic_cifar10(size, train=True, transform=common.normalized_transform()),
+                        batch_size=16, shuffle=True)
+    train_data = opt3.load_to_device(common.synthetic_cifar10(size, train=True, transform=None), CPU)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    return call(ALL_SCRIPTS[script].train_one_epoch, model=model, loader=loader, train_data=train_data,
+                criterion=nn.CrossEntropyLoss(), optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+                amp_dtype=torch.float16, accum_steps=1, keep_gradients=False, batch_size=16,
+                generator=torch.Generator().manual_seed(0), augment_generator=torch.Generator().manual_seed(1),
+                rank=0, world_size=1, device=CPU, epoch=1, monitor=NO_MONITOR)
+
+
+@pytest.mark.parametrize("script", ["opt1.py", "opt2.py", "opt3.py", "opt4.py"])
+def test_float16_with_grad_scaler_learns_and_moves_the_scale(script):
+    model = small_net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)  # grows after every good step
+    first_loss = train_float16_epoch(script, model, optimizer, scaler)[0]
+    for _ in range(4):
+        last_loss, accuracy, _, _ = train_float16_epoch(script, model, optimizer, scaler)
+    assert last_loss < 0.5 * first_loss and accuracy > 0.5, "float16 training does not learn"
+    assert scaler.get_scale() != 2.0**8, "the loss scale never moved"
+
+
+@pytest.mark.parametrize("script", ["opt1.py", "opt2.py", "opt3.py", "opt4.py"])
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step:UserWarning")  # a skipped step
+def test_a_float16_step_with_infinite_gradients_is_skipped(script):
+    model = small_net()
+    before = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # A scale of 2^100 overflows every float16 gradient: each step's gradients hold inf.
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**100)
+    _, _, steps, _ = train_float16_epoch(script, model, optimizer, scaler, size=32)
+    assert steps == 2
+    after = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+    assert torch.equal(after, before), "a step with inf gradients reached the weights"
+    assert scaler.get_scale() == 2.0**98, "each skipped step halves the scale"
+
+
+# ------------------------------------------------------------ opt3: compiled once, no host sync
+
+@pytest.fixture(scope="module")
+def compiled_opt3_run(tmp_path_factory):
+    """opt3.main() compiled, 3 epochs, in this process; returns the dynamo counters after each epoch."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    after_each_epoch, real_epoch_record = [], common.epoch_record
+
+    def epoch_record(*args):
+        after_each_epoch.append({"graphs": counters["stats"]["unique_graphs"],
+                                 "graph_breaks": sum(counters["graph_break"].values())})
+        return real_epoch_record(*args)
+
+    json_path = tmp_path_factory.mktemp("opt3") / "result.json"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(common, "epoch_record", epoch_record)
+        # 40 test images in batches of 16: the evaluation ends on a partial batch.
+        patch.setattr(sys, "argv", ["opt3.py", *SMALL, "--epochs", "3", "--train-size", "96", "--batch-size", "16",
+                                    "--test-size", "40", "--json", str(json_path)])
+        opt3.main()
+    return after_each_epoch, read_json(json_path)
+
+
+def test_opt3_compiles_without_graph_breaks_and_never_recompiles(compiled_opt3_run):
+    after_each_epoch, report = compiled_opt3_run
+    assert report["settings"]["compile"] and len(after_each_epoch) == 3
+    assert [epoch["graph_breaks"] for epoch in after_each_epoch] == [0, 0, 0]
+    graphs = [epoch["graphs"] for epoch in after_each_epoch]
+    # Training and evaluation (the partial last batch included) compile in epoch 1; later epochs reuse them.
+    assert 2 <= graphs[0] <= 3 and graphs == [graphs[0]] * 3, graphs
+
+
+HOST_READS = {"item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__", "__format__",
+              "__repr__"}
+
+
+class CountHostReads(TorchFunctionMode):
+    """Counts the tensor calls that copy a value to the host; on a GPU each one waits for the device."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", None) in HOST_READS:
+            self.reads.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def host_reads_in_one_epoch(script, images):
+    """The host reads of one `script` train_one_epoch over `images` synthetic images, in batches of 8."""
+    torch.manual_seed(0)
+    model = common.ResNet10().to(memory_format=torch.channels_last)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=script in ("opt3.py", "opt4.py"))
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-3, total_steps=100)
+    dataset = common.synthetic_cifar10(images, train=True, transform=None)
+    loader = DataLoader(as_tensor_dataset(dataset), batch_size=8)
+    with CountHostReads() as counter:
+        call(ALL_SCRIPTS[script].train_one_epoch, model=model, loader=loader,
+             train_data=opt3.load_to_device(dataset, CPU), criterion=nn.CrossEntropyLoss(), optimizer=optimizer,
+             scheduler=scheduler, scaler=torch.amp.GradScaler("cpu", enabled=False), amp_dtype=torch.bfloat16,
+             accum_steps=1, keep_gradients=False, batch_size=8, generator=torch.Generator().manual_seed(0),
+             augment_generator=torch.Generator().manual_seed(1), rank=0, world_size=1, device=CPU, epoch=1,
+             monitor=NO_MONITOR)
+    return counter.reads
+
+
+def as_tensor_dataset(dataset):
+    """The same images as float tensors in [0, 1], for the scripts that read a DataLoader."""
+    return TensorDataset(torch.as_tensor(dataset.data).permute(0, 3, 1, 2).float() / 255,
+                         torch.as_tensor(dataset.targets))
+
+
+def test_the_host_read_counter_catches_baselines_reads_per_step():
+    assert len(host_reads_in_one_epoch("baseline.py", 32)) > len(host_reads_in_one_epoch("baseline.py", 16)) >= 2
+
+
+@pytest.mark.parametrize("script, end_of_epoch_reads", [("opt3.py", 3), ("opt4.py", 2)])
+def test_opt3_reads_from_the_device_once_per_epoch_not_per_step(script, end_of_epoch_reads):
+    two_steps, four_steps = host_reads_in_one_epoch(script, 16), host_reads_in_one_epoch(script, 32)
+    assert len(two_steps) == len(four_steps) == end_of_epoch_reads, (two_steps, four_steps)
+
+
+# --------------------------------------------------- gradient accumulation in opt3 and opt4, one process
+
+def bn_free_net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 30 * 30, 10))
+
+
+@pytest.mark.parametrize("script", ["opt3.py", "opt4.py"])
+def test_opt3_accumulating_k_micro_batches_equals_one_big_batch(script, monkeypatch):
+    monkeypatch.setattr(torch, "autocast", lambda *args, **kwargs: contextlib.nullcontext())  # float32
+    monkeypatch.setattr(ALL_SCRIPTS[script], "augment", lambda images, generator: images)  # crops differ per batch
+
+    def weights_after_one_epoch(batch_size, accum_steps):
+        model = bn_free_net()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        dataset = common.synthetic_cifar10(24, train=True, transform=None)
+        _, _, steps, images = call(
+            ALL_SCRIPTS[script].train_one_epoch, model=model, train_data=opt3.load_to_device(dataset, CPU),
+            criterion=nn.CrossEntropyLoss(), optimizer=optimizer,
+            scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
+            scaler=torch.amp.GradScaler("cpu", enabled=False), amp_dtype=torch.float32, accum_steps=accum_steps,
+            keep_gradients=accum_steps > 1, batch_size=batch_size, generator=torch.Generator().manual_seed(0),
+            augment_generator=None, rank=0, world_size=1, device=CPU, epoch=1, monitor=NO_MONITOR)
+        return torch.nn.utils.parameters_to_vector(model.parameters()).detach(), steps, images
+
+    big_batch, steps, _ = weights_after_one_epoch(12, 1)
+    accumulated, accumulated_steps, images = weights_after_one_epoch(4, 3)
+    assert (steps, accumulated_steps, images) == (2, 2, 24)
+    assert torch.allclose(accumulated, big_batch, atol=1e-6)
+    one_step, _, _ = weights_after_one_epoch(24, 1)
+    assert not torch.allclose(one_step, big_batch, atol=1e-3), "the comparison must be able to fail"
+
 # ------------------------------------------------------------------------------------ benchmark
 
 def test_benchmark_prints_a_row_per_script():
@@ -421,6 +706,16 @@ def test_benchmark_prints_a_row_per_script():
     assert len(table) == 2 + 4 and re.search(r"bf16 [\d.]+ TFLOP/s, float32 [\d.]+ TFLOP/s", result.stdout)
     assert [row.split("|")[1].strip() for row in table[2:]] == ["baseline.py", "opt1.py", "opt2.py", "opt3.py"]
     assert table[2].split("|")[3].strip() == "1.00x"
+
+
+def test_benchmark_speedup_is_each_scripts_speed_over_baselines():
+    def reports(images_per_second):
+        return [{"steady_images_per_second": images_per_second, "achieved_tflops": 0.1, "steady_ms_per_step": 1.0,
+                 "warmup_seconds": 0.0, "peak_memory_bytes": 2**30, "final_test_accuracy": 0.5}]
+
+    results = {"baseline.py": reports(100.0), "opt1.py": reports(250.0), "opt2.py": reports(50.0)}
+    rows = benchmark.markdown_table(results, peak_tflops=1.0).splitlines()[2:]
+    assert [row.split("|")[3].strip() for row in rows] == ["1.00x", "2.50x", "0.50x"]
 
 
 def test_benchmark_rejects_one_epoch():
@@ -439,16 +734,21 @@ def checksums(stderr):
 
 
 def test_opt4_two_processes_learn_print_once_and_end_with_identical_weights(tmp_path):
-    json_path = tmp_path / "result.json"
-    result = run_script(*TORCHRUN, "opt4.py", *DDP_ARGS, "--train-size", 1024, "--json", json_path)
+    json_path, weights = tmp_path / "result.json", tmp_path / "weights.pt"
+    result = run_script(*TORCHRUN, "opt4.py", *DDP_ARGS, "--train-size", 1024, "--json", json_path,
+                        "--save", weights)
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("epoch 1:") == 1 and result.stdout.count("done:") == 1
     assert "world size 2: global batch 32" in result.stdout
     first, second = checksums(result.stderr)
-    assert first == second, "the ranks' weights differ"
+    assert first == second, "the ranks' weights or BatchNorm statistics differ"
     report = read_json(json_path)
     assert report["world_size"] == 2 and report["final_test_accuracy"] > 0.5
     assert report["epochs"][0]["images"] == 1024, "images/s must count both ranks' images"
+    # Twice the global batch: the peak rate grows by the square root of 2, and OneCycleLR ends relative to it.
+    assert report["final_lr"] == pytest.approx(onecycle_lr_after(2 * 1024 // 32, report["settings"]["lr"] * 2**0.5))
+    assert report["final_lr"] != pytest.approx(onecycle_lr_after(2 * 1024 // 32, report["settings"]["lr"]))
+    assert_saved_weights_match_the_report(weights, report, opt4, transform=None)
 
 
 def test_opt4_without_torchrun_runs_as_one_process(tmp_path):
@@ -469,6 +769,123 @@ def test_opt4_rank_shares_are_disjoint_and_cover_the_epoch():
     seen = first.flatten().tolist() + second.flatten().tolist()
     assert len(set(seen)) == 96, "no image twice; 100 - 96 left over for a full global batch of 16"
 
+
+INSTRUMENTED_RANK = """
+import contextlib, json, os, sys, time
+sys.path.insert(0, {root!r})
+import torch, torch.nn as nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+import common, opt4
+
+rank, out = os.environ["RANK"], sys.argv.pop(1)
+record = {{"shares": [], "allreduce_at_micro_batch": [], "load": None}}
+micro_batches = [0]
+
+
+class BatchNormFreeNet(nn.Sequential):  # float32 and no BatchNorm: accumulation is exact
+    def __init__(self):
+        super().__init__(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 30 * 30, 10))
+
+    def forward(self, images):
+        micro_batches[0] += self.training
+        return super().forward(images)
+
+
+common.ResNet10 = BatchNormFreeNet
+torch.autocast = lambda *args, **kwargs: contextlib.nullcontext()
+opt4.augment = lambda images, generator: images  # crops are drawn per micro-batch: leave images as they are
+
+real_epoch_batches, real_load_data, RealDDP = opt4.epoch_batches, common.load_data, opt4.DistributedDataParallel
+
+
+def epoch_batches(*args):
+    batches = real_epoch_batches(*args)
+    record["shares"].append(batches.flatten().tolist())
+    return batches
+
+
+def load_data(*args, **kwargs):
+    start = time.time()
+    if rank == "0":
+        time.sleep(1)  # a slow download: the other rank must wait for it
+    result = real_load_data(*args, **kwargs)
+    record["load"] = [start, time.time()]
+    return result
+
+
+def counting_ddp(*args, **kwargs):
+    model = RealDDP(*args, **kwargs)
+
+    def hook(state, bucket):  # DDP's own all-reduce, counted
+        record["allreduce_at_micro_batch"].append(micro_batches[0])
+        return allreduce_hook(None, bucket)
+
+    model.register_comm_hook(None, hook)
+    return model
+
+
+opt4.epoch_batches, common.load_data, opt4.DistributedDataParallel = epoch_batches, load_data, counting_ddp
+sys.argv[0] = "opt4.py"
+try:
+    opt4.main()
+finally:
+    with open(out + ".rank" + rank + ".json", "w") as file:
+        json.dump(record, file)
+"""
+
+
+@pytest.fixture(scope="module")
+def accumulating_ddp_runs(tmp_path_factory):
+    """opt4 under torchrun on 2 CPU processes, instrumented: a batch of 12, and 3 accumulated micro-batches of 4."""
+    folder = tmp_path_factory.mktemp("ddp")
+    wrapper = folder / "instrumented_rank.py"
+    wrapper.write_text(INSTRUMENTED_RANK.format(root=str(ROOT)))
+    runs = {}
+    for accum_steps, batch_size in [(1, 12), (3, 4)]:
+        out = folder / f"accum{accum_steps}"
+        # 120 images = 5 steps of 2 ranks x 12, enough for OneCycleLR
+        result = run_script(*TORCHRUN, wrapper, out, *SMALL, "--epochs", 1, "--train-size", 120, "--test-size", 16,
+                            "--batch-size", batch_size, "--accum-steps", accum_steps, "--no-compile",
+                            "--save", f"{out}.pt", timeout=300)
+        assert result.returncode == 0, result.stderr
+        ranks = [json.loads(Path(f"{out}.rank{rank}.json").read_text()) for rank in (0, 1)]
+        runs[accum_steps] = SimpleNamespace(result=result, ranks=ranks, weights=torch.load(f"{out}.pt"))
+    return runs
+
+
+def test_opt4_accumulating_under_ddp_equals_one_big_batch(accumulating_ddp_runs):
+    big_batch, accumulated = accumulating_ddp_runs[1], accumulating_ddp_runs[3]
+    for run in (big_batch, accumulated):
+        first, second = checksums(run.result.stderr)
+        assert first == second, "the ranks' weights differ"
+    for name, weight in big_batch.weights.items():
+        assert torch.allclose(accumulated.weights[name], weight, atol=1e-5), name
+    # The weights moved: equal untrained weights would prove nothing.
+    assert not torch.allclose(big_batch.weights["0.weight"], bn_free_net()[0].weight.detach(), atol=1e-4)
+
+
+def test_opt4_all_reduces_once_per_optimizer_step_not_per_micro_batch(accumulating_ddp_runs):
+    for accum_steps, run in accumulating_ddp_runs.items():
+        for rank in run.ranks:
+            # DDP builds its buckets anew after the first step, so count from step 2 on.
+            later = [micro_batch for micro_batch in rank["allreduce_at_micro_batch"] if micro_batch > accum_steps]
+            assert later and all(micro_batch % accum_steps == 0 for micro_batch in later), later
+            per_step = collections.Counter(later)
+            assert sorted(per_step) == [accum_steps * step for step in range(2, 6)]
+            assert len(set(per_step.values())) == 1, "the same buckets every step"
+
+
+def test_opt4_ranks_train_on_disjoint_shares_that_cover_the_epoch(accumulating_ddp_runs):
+    for run in accumulating_ddp_runs.values():
+        first, second = (rank["shares"][0] for rank in run.ranks)
+        assert len(first) == len(second) == 60 and not set(first) & set(second)
+        assert set(first) | set(second) == set(range(120))
+
+
+def test_opt4_the_first_rank_on_a_machine_loads_the_data_before_the_others(accumulating_ddp_runs):
+    for run in accumulating_ddp_runs.values():
+        (_, first_done), (second_start, _) = (rank["load"] for rank in run.ranks)
+        assert second_start >= first_done, "rank 1 read the data before rank 0 had it"
 
 FAILING_RANK = """
 import os, sys
@@ -496,3 +913,104 @@ def test_opt4_a_failing_rank_ends_the_whole_job_with_its_message(tmp_path):
     assert result.returncode != 0
     assert "injected failure on rank 1" in result.stderr
     assert time.monotonic() - start < 240, "torchrun should stop the waiting rank, not hang"
+
+
+# ------------------------------------------------- on a CUDA GPU: `python -m pytest -m cuda -q`
+# Written without a GPU to run them on: here they are skipped. Each one checks a claim that only a GPU can.
+
+def cuda_test(test):
+    """Marks a test `cuda` and skips it on a machine without a CUDA GPU."""
+    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(test))
+
+
+GPU_ARGS = ["--synthetic", "--device", "cuda", "--epochs", "2", "--train-size", "2048", "--test-size", "512"]
+
+
+@cuda_test
+@pytest.mark.parametrize("script", [*SCRIPTS, "opt4.py"])
+def test_cuda_every_script_learns(script, tmp_path):
+    json_path = tmp_path / "result.json"
+    result = run_script(script, *GPU_ARGS, "--json", json_path)
+    assert result.returncode == 0, result.stderr
+    report = read_json(json_path)
+    assert report["device"] == "cuda" and report["final_test_accuracy"] > 0.5
+
+
+@cuda_test
+def test_cuda_opt2_loader_pins_memory(monkeypatch):
+    loaders = []
+
+    def recording_loader(*args, **kwargs):
+        loaders.append(DataLoader(*args, **kwargs))
+        return loaders[-1]
+
+    monkeypatch.setattr(opt2, "DataLoader", recording_loader)
+    monkeypatch.setattr(sys, "argv", ["opt2.py", *GPU_ARGS, "--epochs", "1", "--no-compile"])
+    opt2.main()
+    images, _ = next(iter(loaders[0]))
+    assert loaders[0].pin_memory and images.is_pinned()
+
+
+@cuda_test
+def test_cuda_opt3_compiled_step_replays_cuda_graphs_and_never_syncs_after_warm_up(monkeypatch):
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    real_compile, real_train_one_epoch, modes, syncs = nn.Module.compile, opt3.train_one_epoch, [], []
+
+    def compile(model, *args, **kwargs):
+        modes.append(kwargs.get("mode"))
+        return real_compile(model, *args, **kwargs)
+
+    def train_one_epoch(*args):
+        if args[-2] == 1:  # epoch 1: capture and autotuning happen here
+            return real_train_one_epoch(*args)
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                result = real_train_one_epoch(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        syncs.extend(str(warning.message) for warning in caught if "synchroniz" in str(warning.message))
+        return result
+
+    monkeypatch.setattr(nn.Module, "compile", compile)
+    monkeypatch.setattr(opt3, "train_one_epoch", train_one_epoch)
+    monkeypatch.setattr(sys, "argv", ["opt3.py", *GPU_ARGS])
+    opt3.main()
+    assert modes == ["reduce-overhead"], "CUDA graphs are opt3's default on a GPU"
+    assert counters["inductor"]["cudagraph_skips"] == 0, "inductor fell back from CUDA graphs"
+    # losses.tolist(), losses.mean().item() and correct.item(): the fixed reads at the end of the epoch
+    assert len(syncs) <= 3, syncs
+
+
+@cuda_test
+def test_cuda_opt3_accumulates_under_cuda_graphs(tmp_path):
+    json_path = tmp_path / "result.json"
+    result = run_script("opt3.py", *GPU_ARGS, "--accum-steps", 2, "--json", json_path)
+    assert result.returncode == 0, result.stderr  # torch's "gradient ... overwritten" error would end it here
+    report = read_json(json_path)
+    assert report["settings"]["compile_mode"] is None and report["final_test_accuracy"] > 0.5
+
+
+@cuda_test
+def test_cuda_float16_with_grad_scaler_on_a_card_without_bfloat16(monkeypatch, tmp_path):
+    chosen = []
+    real_autocast_dtype = opt3.autocast_dtype
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    monkeypatch.setattr(opt3, "autocast_dtype", lambda device: chosen.append(real_autocast_dtype(device)) or chosen[-1])
+    json_path = tmp_path / "result.json"
+    monkeypatch.setattr(sys, "argv", ["opt3.py", *GPU_ARGS, "--json", str(json_path)])
+    opt3.main()
+    assert chosen == [torch.float16] and read_json(json_path)["final_test_accuracy"] > 0.5
+
+
+@cuda_test
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_cuda_opt4_two_gpus_with_nccl_end_with_identical_weights(tmp_path):
+    json_path = tmp_path / "result.json"
+    result = run_script(*TORCHRUN, "opt4.py", *GPU_ARGS, "--json", json_path)
+    assert result.returncode == 0, result.stderr
+    first, second = checksums(result.stderr)
+    assert first == second and read_json(json_path)["world_size"] == 2
