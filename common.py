@@ -8,7 +8,9 @@ import contextlib
 import datetime
 import json
 import math
+import platform
 import resource
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -285,6 +287,19 @@ def now(device):
     return time.perf_counter()
 
 
+def cpu_name():
+    """The CPU's model name and its widest bfloat16 unit (AMX, AVX-512 BF16), from /proc/cpuinfo on Linux."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown CPU"
+    fields = dict((key.strip(), value.strip()) for key, value in
+                  (line.split(":", 1) for line in info.splitlines() if ":" in line))
+    name, flags = fields.get("model name", "unknown CPU"), fields.get("flags", "").split()
+    bf16_unit = "AMX" if "amx_bf16" in flags else "AVX-512 BF16" if "avx512_bf16" in flags else "no bf16 unit"
+    return f"{name} ({bf16_unit})"
+
+
 def peak_memory_bytes(device):
     """GPU: the most memory tensors ever held. CPU: peak resident memory of this process."""
     if device.type == "cuda":
@@ -400,9 +415,11 @@ def report(script, args, device, records, total_seconds, extra=None):
         result = {
             "script": Path(script).name,
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "command": shlex.join(["python", Path(sys.argv[0]).name, *sys.argv[1:]]),
             "torch": torch.__version__,
             "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "cpu": cpu_name(),
             "threads": torch.get_num_threads(),
             "data": "synthetic" if args.synthetic else "cifar10",
             "settings": vars(args),

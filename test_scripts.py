@@ -455,24 +455,29 @@ def test_opt3_flip_tta_equals_plain_evaluation_on_mirror_symmetric_images(monkey
 
 # --------------------------------------------------------------- what each optimization turns on
 
+def is_channels_last(tensor):
+    return tensor.is_contiguous(memory_format=torch.channels_last) and not tensor.is_contiguous()
+
+
 class RecordingResNet10(common.ResNet10):
-    """ResNet10 that notes what its first training forward saw: the input's layout and the logits' dtype."""
+    """ResNet10 that notes what its first training forward saw: input and weight layout, the logits' dtype."""
     seen = {}
 
     def forward(self, images):
         outputs = super().forward(images)
         if self.training and not RecordingResNet10.seen:
-            RecordingResNet10.seen.update(channels_last=images.is_contiguous(memory_format=torch.channels_last)
-                                          and not images.is_contiguous(), logits_dtype=outputs.dtype)
+            weight = self.layers[0].conv1.weight
+            RecordingResNet10.seen.update(channels_last=(is_channels_last(images), is_channels_last(weight)),
+                                          logits_dtype=outputs.dtype)
         return outputs
 
 
-# script: (dtype of the logits in training, channels_last input, fused AdamW, label smoothing)
+# script: (dtype of the logits in training, channels_last (input, weights), fused AdamW, label smoothing)
 IN_EFFECT = {
-    "baseline.py": (torch.float32, False, None, 0.0),
-    "opt1.py": (torch.bfloat16, False, False, 0.0),  # bfloat16: the CPU's 16-bit type
-    "opt2.py": (torch.bfloat16, False, False, 0.1),
-    "opt3.py": (torch.bfloat16, True, True, 0.1),
+    "baseline.py": (torch.float32, (False, False), None, 0.0),
+    "opt1.py": (torch.bfloat16, (False, False), False, 0.0),  # bfloat16: the CPU's 16-bit type
+    "opt2.py": (torch.bfloat16, (False, False), False, 0.1),
+    "opt3.py": (torch.bfloat16, (True, True), True, 0.1),
 }
 
 
@@ -698,14 +703,20 @@ def test_opt3_accumulating_k_micro_batches_equals_one_big_batch(script, monkeypa
 
 # ------------------------------------------------------------------------------------ benchmark
 
-def test_benchmark_prints_a_row_per_script():
+def test_benchmark_prints_a_row_per_script_and_writes_its_data(tmp_path):
+    json_path = tmp_path / "benchmark.jsonl"
     result = run_script("benchmark.py", "--repeats", 1, "--epochs", 2, "--train-size", 48, "--test-size", 16,
-                        "--batch-size", 16, "--device", "cpu", "--no-compile")
+                        "--batch-size", 16, "--device", "cpu", "--no-compile", "--json", json_path)
     assert result.returncode == 0, result.stderr
     table = result.stdout[result.stdout.index("| script"):].splitlines()
     assert len(table) == 2 + 4 and re.search(r"bf16 [\d.]+ TFLOP/s, float32 [\d.]+ TFLOP/s", result.stdout)
     assert [row.split("|")[1].strip() for row in table[2:]] == ["baseline.py", "opt1.py", "opt2.py", "opt3.py"]
     assert table[2].split("|")[3].strip() == "1.00x"
+    *runs, summary = [json.loads(line) for line in json_path.read_text().splitlines()]
+    assert [run["benchmark_run"] for run in runs] == ["baseline.py", "opt1.py", "opt2.py", "opt3.py"]
+    assert all(run["settings"]["compile"] is False for run in runs[1:]) and runs[0]["cpu"] == common.cpu_name()
+    assert summary["benchmark"] == "chain" and summary["bf16_peak_tflops"] > 0 and len(summary["rows"]) == 4
+    assert f"{summary['rows'][1]['images_per_second']:.0f}" == table[3].split("|")[2].strip()
 
 
 def test_benchmark_speedup_is_each_scripts_speed_over_baselines():
@@ -718,10 +729,74 @@ def test_benchmark_speedup_is_each_scripts_speed_over_baselines():
     assert [row.split("|")[3].strip() for row in rows] == ["1.00x", "2.50x", "0.50x"]
 
 
+def test_benchmark_ladder_compares_each_rung_with_the_one_it_adds_to():
+    speeds = {"baseline": 100.0, "opt1 eager": 200.0, "opt1": 250.0, "opt2, 0 workers": 240.0,
+              "opt2, 2 workers": 200.0, "opt3 eager": 180.0, "opt3": 300.0}
+    results = {rung: [{"steady_images_per_second": speed, "achieved_tflops": 0.1, "steady_ms_per_step": 1.0,
+                       "warmup_seconds": 0.0, "peak_memory_bytes": 2**30, "final_test_accuracy": 0.5}]
+               for rung, speed in speeds.items()}
+    rows = [row.split("|")[1:-1] for row in benchmark.ladder_table(results, peak_tflops=1.0).splitlines()[2:]]
+    by_rung = {row[0].strip(): [cell.strip() for cell in row] for row in rows}
+    assert list(by_rung) == list(speeds)
+    assert by_rung["opt1"][5:8] == ["opt1 eager", "1.25x", "2.50x"]
+    assert by_rung["opt3 eager"][5:8] == ["opt2, 0 workers", "0.75x", "1.80x"]
+    assert by_rung["opt3"][3] == "CUDA graphs (reduce-overhead)" and by_rung["opt1"][3] == "-"
+
+
+@pytest.mark.parametrize("rung, script, flags", [rung[:3] for rung in benchmark.LADDER])
+def test_every_ladder_rung_is_a_command_its_script_accepts(rung, script, flags, monkeypatch):
+    monkeypatch.setattr(sys, "argv", [script, *flags])
+    args = ALL_SCRIPTS[script].parse_args()
+    assert getattr(args, "compile", True) == ("--no-compile" not in flags)
+
+
 def test_benchmark_rejects_one_epoch():
     result = run_script("benchmark.py", "--epochs", 1)
     assert result.returncode == 2 and "steady state excludes epoch 1" in result.stderr
 
+
+
+# ------------------------------------------------------------------------------------ plot.py
+
+def write_plot_fixture(folder):
+    """Two scripts' real-data reports and a ladder summary, as the scripts and benchmark.py write them."""
+    def run(script, accuracies):
+        epochs = [{"epoch": epoch, "test_accuracy": accuracy, "train_seconds": 60.0}
+                  for epoch, accuracy in enumerate(accuracies, start=1)]
+        return {"script": script, "data": "cifar10", "device": "cpu", "cpu": "Test CPU (AMX)", "threads": 2,
+                "torch": "2.14.1", "epochs": epochs}
+
+    runs = [run("baseline.py", [0.4, 0.5]), run("opt3.py", [0.6, 0.8]), {**run("opt3.py", [0.1]), "data": "synthetic"}]
+    rows = [{"name": name, "images_per_second": speed, "tflops": speed * 1.5e9 / 1e12}
+            for name, speed in [("baseline", 100.0), ("opt3", 300.0)]]
+    ladder = {"benchmark": "ladder", "bf16_peak_tflops": 1.2, "rows": rows}
+    (folder / "runs.jsonl").write_text("".join(json.dumps(line) + "\n" for line in runs))
+    (folder / "ladder.jsonl").write_text(json.dumps(ladder) + "\n")
+
+
+def test_plot_draws_the_figure_from_json_lines(tmp_path):
+    pytest.importorskip("matplotlib", reason="plot.py needs matplotlib (pip install -r requirements.txt)")
+    write_plot_fixture(tmp_path)
+    out = tmp_path / "figure.png"
+    result = run_script("plot.py", "--runs", tmp_path / "runs.jsonl", "--ladder", tmp_path / "ladder.jsonl",
+                        "--out", out)
+    assert result.returncode == 0, result.stderr
+    assert out.read_bytes().startswith(b"\x89PNG") and 10_000 < out.stat().st_size < 200_000
+
+
+def test_plot_without_matplotlib_says_how_to_install_it(tmp_path):
+    write_plot_fixture(tmp_path)
+    hide_matplotlib = "import runpy, sys; sys.modules['matplotlib'] = None; sys.argv = sys.argv[1:]; " \
+                      "runpy.run_path('plot.py', run_name='__main__')"
+    result = run_script("-c", hide_matplotlib, "plot.py", "--runs", tmp_path / "runs.jsonl",
+                        "--ladder", tmp_path / "ladder.jsonl", "--out", tmp_path / "figure.png")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert "pip install matplotlib" in result.stderr
+
+
+def test_plot_names_a_missing_data_file(tmp_path):
+    result = run_script("plot.py", "--runs", tmp_path / "none.jsonl")
+    assert result.returncode == 2 and "none.jsonl" in result.stderr and "Traceback" not in result.stderr
 
 # ------------------------------------------------------------------------- opt4: DDP under torchrun
 
