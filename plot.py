@@ -1,6 +1,7 @@
 """plot.py: draw the README's figure from the measured data in results/.
 
     python plot.py                      # results/chain-5-epochs.jsonl + results/ladder.jsonl -> results/chain.png
+    python plot.py --tables             # the same data as the markdown tables of results/README.md
 
 Three panels: test accuracy per epoch of each script on real CIFAR-10; steady images/s of each
 rung of the ladder (benchmark.py --ladder), with the machine's bf16 matmul peak for reference; and
@@ -23,6 +24,7 @@ def parse_args():
     parser.add_argument("--ladder", default="results/ladder.jsonl",
                         help="benchmark.py --ladder --json output (default: results/ladder.jsonl)")
     parser.add_argument("--out", default="results/chain.png", help="the PNG to write (default: results/chain.png)")
+    parser.add_argument("--tables", action="store_true", help="print markdown tables instead of drawing (default: off)")
     return parser.parse_args()
 
 
@@ -48,6 +50,25 @@ def latest_ladder(lines):
     if not summaries:
         common.fail("no `benchmark.py --ladder --json` summary line in --ladder")
     return summaries[-1]
+
+
+def markdown_tables(runs, ladder):
+    """Accuracy per epoch of each script's run, and each ladder rung's steady speed, as markdown."""
+    epochs = max(len(run["epochs"]) for run in runs)
+    lines = ["| script | " + " | ".join(f"epoch {epoch}" for epoch in range(1, epochs + 1))
+             + " | training minutes | steady images/s |", "|---" * (epochs + 3) + "|"]
+    for run in runs:
+        accuracies = [f"{100 * record['test_accuracy']:.1f}" for record in run["epochs"]]
+        minutes = sum(record["train_seconds"] for record in run["epochs"]) / 60
+        lines.append(f"| `{run['script']}` | " + " | ".join(accuracies) + f" | {minutes:.1f} "
+                     f"| {run['steady_images_per_second']:.0f} |")
+    lines += ["", "| rung | images/s | ms/step | warm-up s | peak memory GiB | TFLOP/s | % of bf16 peak |",
+              "|---|---|---|---|---|---|---|"]
+    for row in ladder["rows"]:
+        lines.append(f"| {row['name']} | {row['images_per_second']:.0f} | {row['ms_per_step']:.1f} "
+                     f"| {row['warmup_seconds']:.1f} | {row['peak_memory_gib']:.2f} | {row['tflops']:.3f} "
+                     f"| {row['percent_of_bf16_peak']:.0f} |")
+    return "\n".join(lines)
 
 
 def draw(runs, ladder, out):
@@ -79,11 +100,14 @@ def draw(runs, ladder, out):
     speed_axis.bar(range(len(rows)), tflops, color="tab:blue")
     speed_axis.axhline(ladder["bf16_peak_tflops"], color="tab:red", linestyle="--",
                        label=f"bf16 matmul peak {ladder['bf16_peak_tflops']:.2f} TFLOP/s")
+    if "float32_peak_tflops" in ladder:  # the reference for the float32 baseline
+        speed_axis.axhline(ladder["float32_peak_tflops"], color="tab:gray", linestyle=":",
+                           label=f"float32 matmul peak {ladder['float32_peak_tflops']:.2f} TFLOP/s")
     for index, row in enumerate(rows):
         speed_axis.text(index, row["tflops"], f"{row['images_per_second']:.0f}/s", ha="center", va="bottom",
                         fontsize=7)
     speed_axis.set_xticks(range(len(rows)), names, rotation=35, ha="right", fontsize=8)
-    speed_axis.set(title="Steady speed per ladder rung (labels: images/s)", ylabel="achieved TFLOP/s",
+    speed_axis.set(title="Steady speed per ladder rung, batch 128 (labels: images/s)", ylabel="achieved TFLOP/s",
                    ylim=(0, 1.15 * max(ladder["bf16_peak_tflops"], *tflops)))
     speed_axis.legend(fontsize=8, loc="upper left")
     machine = f"{runs[0]['cpu']}, {runs[0]['threads']} threads" if runs[0]["device"] == "cpu" else runs[0]["device_name"]
@@ -95,6 +119,9 @@ def draw(runs, ladder, out):
 
 def main():
     args = parse_args()
+    if args.tables:
+        print(markdown_tables(latest_run_per_script(read_lines(args.runs)), latest_ladder(read_lines(args.ladder))))
+        return
     try:
         import matplotlib  # noqa: F401  (imported here so a missing install is one clear line)
     except ImportError:

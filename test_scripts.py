@@ -764,10 +764,11 @@ def write_plot_fixture(folder):
         epochs = [{"epoch": epoch, "test_accuracy": accuracy, "train_seconds": 60.0}
                   for epoch, accuracy in enumerate(accuracies, start=1)]
         return {"script": script, "data": "cifar10", "device": "cpu", "cpu": "Test CPU (AMX)", "threads": 2,
-                "torch": "2.14.1", "epochs": epochs}
+                "torch": "2.14.1", "steady_images_per_second": 100.0, "epochs": epochs}
 
     runs = [run("baseline.py", [0.4, 0.5]), run("opt3.py", [0.6, 0.8]), {**run("opt3.py", [0.1]), "data": "synthetic"}]
-    rows = [{"name": name, "images_per_second": speed, "tflops": speed * 1.5e9 / 1e12}
+    rows = [{"name": name, "images_per_second": speed, "tflops": speed * 1.5e9 / 1e12, "ms_per_step": 1000.0,
+             "warmup_seconds": 0.5, "peak_memory_gib": 1.0, "percent_of_bf16_peak": speed * 1.5e9 / 1.2e12 * 100}
             for name, speed in [("baseline", 100.0), ("opt3", 300.0)]]
     ladder = {"benchmark": "ladder", "bf16_peak_tflops": 1.2, "rows": rows}
     (folder / "runs.jsonl").write_text("".join(json.dumps(line) + "\n" for line in runs))
@@ -784,6 +785,15 @@ def test_plot_draws_the_figure_from_json_lines(tmp_path):
     assert out.read_bytes().startswith(b"\x89PNG") and 10_000 < out.stat().st_size < 200_000
 
 
+def test_plot_tables_print_the_latest_real_data_run_of_each_script(tmp_path):
+    write_plot_fixture(tmp_path)
+    result = run_script("plot.py", "--tables", "--runs", tmp_path / "runs.jsonl", "--ladder", tmp_path / "ladder.jsonl")
+    assert result.returncode == 0, result.stderr
+    assert "| `baseline.py` | 40.0 | 50.0 | 2.0 | 100 |" in result.stdout
+    assert "| `opt3.py` | 60.0 | 80.0 | 2.0 | 100 |" in result.stdout  # the synthetic run is not the data
+    assert "| opt3 | 300 | 1000.0 | 0.5 | 1.00 | 0.450 | 38 |" in result.stdout
+
+
 def test_plot_without_matplotlib_says_how_to_install_it(tmp_path):
     write_plot_fixture(tmp_path)
     hide_matplotlib = "import runpy, sys; sys.modules['matplotlib'] = None; sys.argv = sys.argv[1:]; " \
@@ -797,6 +807,36 @@ def test_plot_without_matplotlib_says_how_to_install_it(tmp_path):
 def test_plot_names_a_missing_data_file(tmp_path):
     result = run_script("plot.py", "--runs", tmp_path / "none.jsonl")
     assert result.returncode == 2 and "none.jsonl" in result.stderr and "Traceback" not in result.stderr
+
+
+# -------------------------------------------------------------- the front page against the data
+
+README_RUNG = {"baseline.py": "baseline", "opt1.py": "opt1", "opt2.py": "opt2, 0 workers", "opt3.py": "opt3"}
+
+
+def test_readme_figures_are_the_measured_data():
+    def json_lines(name):
+        return [json.loads(line) for line in (ROOT / "results" / name).read_text().splitlines()]
+
+    # The last real-data run of each script counts, and the last ladder, as for plot.py.
+    runs = {run["script"]: run for run in json_lines("chain-5-epochs.jsonl") if run["data"] == "cifar10"}
+    ladder = [line for line in json_lines("ladder.jsonl") if line.get("benchmark") == "ladder"][-1]
+    speeds = {row["name"]: row["images_per_second"] for row in ladder["rows"]}
+    readme = (ROOT / "README.md").read_text()
+    assert f"bf16 matmul peak {ladder['bf16_peak_tflops']:.2f} TFLOP/s" in readme
+    assert f"float32 {ladder['float32_peak_tflops']:.2f})" in readme
+    rows = {cells[0].strip("` "): [cell.strip() for cell in cells]
+            for cells in (line.split("|")[1:-1] for line in readme.splitlines() if line.startswith("| `"))}
+    for script, rung in README_RUNG.items():
+        images_per_second, speedup, accuracy = rows[script][-3:]
+        assert images_per_second == f"{speeds[rung]:.0f}", script
+        assert speedup == f"{speeds[rung] / speeds['baseline']:.2f}x", script
+        assert accuracy == f"{100 * runs[script]['final_test_accuracy']:.1f}", script
+    results_page = (ROOT / "results/README.md").read_text()
+    for script, run in runs.items():
+        accuracies = " | ".join(f"{100 * epoch['test_accuracy']:.1f}" for epoch in run["epochs"])
+        assert f"| `{script}` | {accuracies} |" in results_page, script
+
 
 # ------------------------------------------------------------------------- opt4: DDP under torchrun
 
