@@ -176,7 +176,7 @@ def main():
     # opt1: AdamW adapts the step size per weight, so a fixed learning rate converges faster than SGD's
     # opt3: fused=True updates all weights in a few kernels instead of several per tensor
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.05, fused=True)
-    # opt3: bfloat16 wherever the GPU has it: float32's range, so no GradScaler and no skipped steps
+    # opt3: bfloat16 wherever the device runs it natively: float32's range, so no GradScaler and no skipped steps
     amp_dtype = autocast_dtype(device)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bfloat16 needs no scaling
     # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a

@@ -264,7 +264,7 @@ def train(args, rank, world_size, device):
     # opt4: a world_size times larger global batch averages away noise: scale AdamW's rate by its square root
     max_lr = args.lr * world_size ** 0.5
     optimizer = torch.optim.AdamW(model.parameters(), lr=max_lr, weight_decay=0.05, fused=True)
-    # opt3: bfloat16 wherever the GPU has it: float32's range, so no GradScaler and no skipped steps
+    # opt3: bfloat16 wherever the device runs it natively: float32's range, so no GradScaler and no skipped steps
     amp_dtype = autocast_dtype(device)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bfloat16 needs no scaling
     # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a

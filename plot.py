@@ -110,8 +110,9 @@ def draw(runs, ladder, out):
     speed_axis.set(title="Steady speed per ladder rung, batch 128 (labels: images/s)", ylabel="achieved TFLOP/s",
                    ylim=(0, 1.15 * max(ladder["bf16_peak_tflops"], *tflops)))
     speed_axis.legend(fontsize=8, loc="upper left")
-    machine = f"{runs[0]['cpu']}, {runs[0]['threads']} threads" if runs[0]["device"] == "cpu" else runs[0]["device_name"]
-    figure.suptitle(f"fast-cifar: ResNet10 on {machine}, torch {runs[0]['torch']}", fontsize=10)
+    first = runs[0]
+    machine = f"{first['cpu']}, {first['threads']} threads" if first["device"] == "cpu" else first["device_name"]
+    figure.suptitle(f"fast-cifar: ResNet10 on {machine}, torch {first['torch']}", fontsize=10)
     figure.tight_layout()
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out)

@@ -544,7 +544,7 @@ def small_net():
 
 
 def train_float16_epoch(script, model, optimizer, scaler, size=64):
-    """One epoch of `script`'s own train_one_epoch in float16 autocast with `scaler`, as a GPU without bfloat16 runs it."""
+    """One epoch of `script`'s own train_one_epoch in float16 with `scaler`, as a GPU without bfloat16 runs it."""
     torch.manual_seed(0)
     loader = DataLoader(common.synthetic_cifar10(size, train=True, transform=common.normalized_transform()),
                         batch_size=16, shuffle=True)
