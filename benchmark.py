@@ -29,11 +29,11 @@ SCRIPTS = ["baseline.py", "opt1.py", "opt2.py", "opt3.py"]
 # (rung, script, flags, the rung it is compared with, what it adds, what of that acts only on a GPU)
 LADDER = [
     ("baseline", "baseline.py", [], None, "float32, eager, SGD, PIL loader", ""),
-    ("opt1 eager", "opt1.py", ["--no-compile"], "baseline", "16-bit autocast, AdamW, cudnn.benchmark",
+    ("opt1 eager", "opt1.py", ["--no-compile"], "baseline", "16-bit autocast where native (else float32), AdamW, cudnn.benchmark",
      "cudnn.benchmark"),
     ("opt1", "opt1.py", [], "opt1 eager", "torch.compile", ""),
     ("opt2, 0 workers", "opt2.py", ["--workers", "0"], "opt1",
-     "OneCycleLR, normalize + crop + flip, label smoothing, set_to_none, inference_mode",
+     "OneCycleLR, normalize + crop + flip, label smoothing, inference_mode",
      "pinned memory, non_blocking copies"),
     ("opt2, 2 workers", "opt2.py", ["--workers", "2"], "opt2, 0 workers", "2 loader processes", ""),
     ("opt3 eager", "opt3.py", ["--no-compile"], "opt2, 0 workers",
@@ -104,18 +104,26 @@ def matmul_peak_tflops(device, dtype=torch.bfloat16, size=4096, repeats=10):
 
 
 def median(reports, field):
-    return statistics.median(report[field] for report in reports)
+    """The median of `field` over `reports`; None where a run could not measure it (peak memory on Windows)."""
+    values = [report[field] for report in reports]
+    return None if None in values else statistics.median(values)
+
+
+def shown(value, spec):
+    """`value` formatted by `spec`, or n/a where it was not measured."""
+    return "n/a" if value is None else format(value, spec)
 
 
 def medians(results, peak_tflops):
-    """One row of medians per run name."""
+    """One row of medians per run name; peak_tflops is None where bfloat16 is not native."""
     rows = []
     for name, reports in results.items():
         speed, tflops = median(reports, "steady_images_per_second"), median(reports, "achieved_tflops")
+        peak_memory = median(reports, "peak_memory_bytes")
         rows.append({"name": name, "images_per_second": speed, "ms_per_step": median(reports, "steady_ms_per_step"),
                      "warmup_seconds": median(reports, "warmup_seconds"),
-                     "peak_memory_gib": median(reports, "peak_memory_bytes") / 2**30, "tflops": tflops,
-                     "percent_of_bf16_peak": 100 * tflops / peak_tflops,
+                     "peak_memory_gib": peak_memory and peak_memory / 2**30, "tflops": tflops,
+                     "percent_of_bf16_peak": peak_tflops and 100 * tflops / peak_tflops,
                      "test_accuracy": median(reports, "final_test_accuracy")})
     return rows
 
@@ -129,8 +137,8 @@ def markdown_table(results, peak_tflops):
         speedup = f"{row['images_per_second'] / baseline_speed:.2f}x" if baseline_speed else "n/a"
         lines.append(
             f"| {row['name']} | {row['images_per_second']:.0f} | {speedup} | {row['ms_per_step']:.1f} "
-            f"| {row['warmup_seconds']:.1f} | {row['peak_memory_gib']:.2f} | {row['tflops']:.3f} "
-            f"| {row['percent_of_bf16_peak']:.0f} | {100 * row['test_accuracy']:.1f} |")
+            f"| {row['warmup_seconds']:.1f} | {shown(row['peak_memory_gib'], '.2f')} | {row['tflops']:.3f} "
+            f"| {shown(row['percent_of_bf16_peak'], '.0f')} | {100 * row['test_accuracy']:.1f} |")
     return "\n".join(lines)
 
 
@@ -146,7 +154,8 @@ def ladder_table(results, peak_tflops):
             f"| {rung} | `{' '.join([script, *flags])}` | {adds} | {gpu_only or '-'} "
             f"| {row['images_per_second']:.0f} | {compared_with or ''} | {speedup} "
             f"| {row['images_per_second'] / rows['baseline']['images_per_second']:.2f}x | {row['ms_per_step']:.1f} "
-            f"| {row['warmup_seconds']:.1f} | {row['peak_memory_gib']:.2f} | {row['percent_of_bf16_peak']:.0f} |")
+            f"| {row['warmup_seconds']:.1f} | {shown(row['peak_memory_gib'], '.2f')} "
+            f"| {shown(row['percent_of_bf16_peak'], '.0f')} |")
     return "\n".join(lines)
 
 
@@ -166,16 +175,20 @@ def main():
                     with open(args.json, "a") as file:
                         file.write(json.dumps({**report, "benchmark_run": name, "round": round_number}) + "\n")
             # the peak drifts with the machine too, so it is measured every round and the best is kept
+            device = torch.device(report["device"])
             for dtype, measured in peaks.items():
-                measured.append(matmul_peak_tflops(torch.device(report["device"]), dtype))
+                # bfloat16 only where it is native: emulated, its matmuls take minutes and say nothing of a peak
+                if dtype == torch.float32 or device.type == "cuda" or common.bfloat16_unit() is not None:
+                    measured.append(matmul_peak_tflops(device, dtype))
     first = next(iter(results.values()))[0]
-    peak_tflops, float32_peak_tflops = max(peaks[torch.bfloat16]), max(peaks[torch.float32])
+    peak_tflops, float32_peak_tflops = max(peaks[torch.bfloat16], default=None), max(peaks[torch.float32])
     data = f"CIFAR-10 in {args.data_dir}" if args.data_dir else "synthetic data"
     machine = first["cpu"] if first["device"] == "cpu" else first["device_name"]
     print(f"\n{machine}, {first['threads']} threads, torch {first['torch']}; {data}, "
           f"{args.train_size} training images x {args.epochs} epochs, batch {args.batch_size}, "
           f"medians of {args.repeats} rounds; peak = the best 4096x4096 matmul of all rounds: "
-          f"bf16 {peak_tflops:.2f} TFLOP/s, float32 {float32_peak_tflops:.2f} TFLOP/s\n")
+          f"bf16 {shown(peak_tflops, '.2f')} TFLOP/s, float32 {float32_peak_tflops:.2f} TFLOP/s"
+          f"{' (bf16 not measured: no bfloat16 unit, so the scripts run float32)' if peak_tflops is None else ''}\n")
     print(ladder_table(results, peak_tflops) if args.ladder else markdown_table(results, peak_tflops))
     if args.json:
         summary = {"benchmark": "ladder" if args.ladder else "chain",

@@ -9,7 +9,6 @@ import datetime
 import json
 import math
 import platform
-import resource
 import shlex
 import sys
 import time
@@ -23,6 +22,11 @@ import torchvision
 from PIL import Image
 from torch.utils.flop_counter import FlopCounterMode
 from torchvision import transforms
+
+try:
+    import resource  # Unix only: peak memory of this process
+except ImportError:  # Windows
+    resource = None
 
 # Per-channel statistics of the 50,000 CIFAR-10 training images.
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
@@ -287,24 +291,27 @@ def now(device):
     return time.perf_counter()
 
 
+def bfloat16_unit():
+    """The name of this CPU's bfloat16 hardware, or None where it has none and oneDNN would emulate bfloat16."""
+    capabilities = torch.cpu.get_capabilities()
+    units = [("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX-512 BF16"), ("sve_bf16", "SVE BF16"), ("bf16", "Arm BF16")]
+    return next((name for key, name in units if capabilities.get(key)), None)
+
+
 def cpu_name():
-    """The CPU's model name and its widest bfloat16 unit (AMX, AVX-512 BF16), from /proc/cpuinfo on Linux."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or "unknown CPU"
-    fields = dict((key.strip(), value.strip()) for key, value in
-                  (line.split(":", 1) for line in info.splitlines() if ":" in line))
-    name, flags = fields.get("model name", "unknown CPU"), fields.get("flags", "").split()
-    bf16_unit = "AMX" if "amx_bf16" in flags else "AVX-512 BF16" if "avx512_bf16" in flags else "no bf16 unit"
-    return f"{name} ({bf16_unit})"
+    """The CPU's model name and its bfloat16 unit, on any operating system."""
+    name = torch.cpu.get_capabilities().get("cpu_name") or platform.processor() or "unknown CPU"
+    return f"{name} ({bfloat16_unit() or 'no bf16 unit'})"
 
 
 def peak_memory_bytes(device):
-    """GPU: the most memory tensors ever held. CPU: peak resident memory of this process."""
+    """GPU: the most memory tensors ever held. CPU: peak resident memory of this process (None on Windows)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    if resource is None:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
 
 
 def training_flops_per_image():
@@ -403,8 +410,10 @@ def report(script, args, device, records, total_seconds, extra=None):
     """Print the run's summary and, with --json, append it with every setting and epoch."""
     summary = summarize(records, total_seconds, peak_memory_bytes(device), training_flops_per_image())
     memory_kind = "GPU max allocated" if device.type == "cuda" else "CPU peak RSS"
+    peak = summary["peak_memory_bytes"]
+    memory = f"{peak / 2**30:.2f} GiB ({memory_kind})" if peak is not None else "not measured on this system"
     print(f"done: {total_seconds:.1f} s in all | final test acc {100 * summary['final_test_accuracy']:.2f}% | "
-          f"peak memory {summary['peak_memory_bytes'] / 2**30:.2f} GiB ({memory_kind})")
+          f"peak memory {memory}")
     if summary["steady_images_per_second"] is None:
         print("steady state: not measured (it excludes epoch 1, so it needs --epochs 2 or more)")
     else:

@@ -1,5 +1,5 @@
 """opt2.py: opt1.py + OneCycleLR, gradient accumulation, a bigger batch, pinned memory, loader
-workers, normalized and augmented data, set_to_none and inference_mode.
+workers, normalized and augmented data, label smoothing and inference_mode.
 
     python opt2.py --epochs 5               # CIFAR-10 in ./data, downloaded if missing
     python opt2.py --synthetic --epochs 2   # no download: measures speed only
@@ -34,6 +34,16 @@ def parse_args():
     return common.check_args(args, images_per_step=args.batch_size * args.accum_steps)
 
 
+def autocast_dtype(device):
+    """The 16-bit type `device` runs natively, or float32 where it has none; and why, in words, for the log."""
+    if device.type == "cuda":
+        return torch.float16, "float16 autocast: the GPU's tensor cores run it several times faster than float32"
+    unit = common.bfloat16_unit()
+    if unit is not None:
+        return torch.bfloat16, f"bfloat16 autocast: this CPU runs it natively ({unit})"
+    return torch.float32, "float32: this CPU has no bfloat16 unit, and emulated bfloat16 runs ~12x slower"
+
+
 def default_workers(device):
     """Loader processes: with a GPU they prepare batches while it computes; on the CPU they would take
     cores from training (2 workers on 2 cores: 0.80x the speed of none, results/README.md)."""
@@ -50,10 +60,11 @@ def train_one_epoch(model, loader, criterion, optimizer, scheduler, scaler, amp_
     steps = len(loader) // accum_steps
     for micro_step, (images, labels) in enumerate(itertools.islice(loader, steps * accum_steps)):
         step = micro_step // accum_steps + 1
-        # opt2: from pinned memory the copy to the GPU runs asynchronously, overlapping compute
+        # opt2: a copy from pinned memory is queued on the GPU's stream and the host goes on at once (without
+        # pinning it waits while the bytes are staged); the copy still runs before the kernels queued after it
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-        # opt1: autocast runs convolutions in 16-bit: half the memory traffic, tensor cores on GPU
-        with torch.autocast(device.type, dtype=amp_dtype):
+        # opt1: autocast runs convolutions in 16-bit where it is native: half the memory traffic, tensor cores
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
             outputs = model(images)
             loss = criterion(outputs, labels)
         common.check_finite(loss.item(), epoch, step)
@@ -62,8 +73,7 @@ def train_one_epoch(model, loader, criterion, optimizer, scheduler, scaler, amp_
         if (micro_step + 1) % accum_steps == 0:
             scaler.step(optimizer)
             scaler.update()
-            # opt2: drops the gradients instead of writing zeros (the default since PyTorch 2.0)
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad()
             scheduler.step()
             monitor.step()
         total_loss += loss.item() * len(labels)
@@ -79,9 +89,9 @@ def evaluate(model, loader, amp_dtype, device):
     with torch.inference_mode():  # opt2: like no_grad, and also skips autograd's version tracking
         for images, labels in loader:
             images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-            with torch.autocast(device.type, dtype=amp_dtype):  # opt1: 16-bit inference too
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):  # opt1: 16-bit too
                 outputs = model(images)
-            total_loss += F.cross_entropy(outputs, labels, reduction="sum").item()
+            total_loss += F.cross_entropy(outputs.float(), labels, reduction="sum").item()  # opt1: on float32 logits
             correct += (outputs.argmax(1) == labels).sum().item()
     return total_loss / len(loader.dataset), correct / len(loader.dataset)
 
@@ -92,12 +102,15 @@ def main():
     if args.workers is None:  # opt2: the loader's worker count suits the device
         args.workers = default_workers(device)
     common.print_settings(__file__, device, args)
+    # opt1: 16-bit math only where the hardware runs it: on a CPU without a bfloat16 unit it is emulated, and slow
+    amp_dtype, why = autocast_dtype(device)
+    print(f"precision: {why}")
     torch.manual_seed(args.seed)
 
     # opt2: normalized inputs condition the optimization; random crops and flips add data for free
     train_set, test_set = common.load_data(args, common.augmented_transform(), common.normalized_transform())
     # opt2: worker processes decode and augment the next batches while the model trains (kept alive
-    # between epochs); pinned memory makes the copy to the GPU asynchronous (CPU runs need no pinning)
+    # between epochs); pinned memory lets the host queue the copy to the GPU without waiting (the CPU needs none)
     loader_options = dict(num_workers=args.workers, persistent_workers=args.workers > 0,
                           pin_memory=device.type == "cuda")
     # drop_last: every step trains on a full batch; a small last one is a noisy step (and, compiled, a new shape)
@@ -113,8 +126,6 @@ def main():
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     # opt1: AdamW adapts the step size per weight, so a fixed learning rate converges faster than SGD's
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.05)
-    # opt1: float16 on CUDA; bfloat16 on CPU, where AMX runs it ~3.5x faster than float32 (float16 is slow there)
-    amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bfloat16 needs no scaling
     # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a
     # fixed rate; its length counts optimizer steps, not micro-batches

@@ -35,14 +35,18 @@ def parse_args():
 
 
 def autocast_dtype(device):
-    """bfloat16 on the CPU and on GPUs that run it natively (Ampere, sm_80, and newer), else float16.
-
-    Not torch.cuda.is_bf16_supported() alone: it also counts GPUs that only emulate bfloat16 (T4,
-    sm_75), where inductor will not compile bfloat16 and the model would run eager and slow.
-    """
-    if device.type == "cpu" or torch.cuda.is_bf16_supported(including_emulation=False):
-        return torch.bfloat16
-    return torch.float16
+    """The 16-bit type `device` runs natively, or float32 where it has none; and why, in words, for the log."""
+    if device.type == "cuda":
+        # opt3: bfloat16 where the GPU runs it natively (Ampere, sm_80, and newer): float32's range, so no
+        # GradScaler and no skipped steps. Not is_bf16_supported() alone: it also counts GPUs that only
+        # emulate bfloat16 (T4, sm_75), where inductor will not compile it and the model would run eager and slow
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return torch.bfloat16, "bfloat16 autocast: this GPU runs it natively, with float32's range"
+        return torch.float16, "float16 autocast: the GPU's tensor cores run it several times faster than float32"
+    unit = common.bfloat16_unit()
+    if unit is not None:
+        return torch.bfloat16, f"bfloat16 autocast: this CPU runs it natively ({unit})"
+    return torch.float32, "float32: this CPU has no bfloat16 unit, and emulated bfloat16 runs ~12x slower"
 
 
 def load_to_device(dataset, device):
@@ -105,8 +109,8 @@ def train_one_epoch(model, train_data, criterion, optimizer, scheduler, scaler, 
         # opt3: normalize, crop and flip the whole batch on the device; channels_last for the model
         images = augment(normalize(all_images[indices]), generator).contiguous(memory_format=torch.channels_last)
         labels = all_labels[indices]
-        # opt1: autocast runs convolutions in 16-bit: half the memory traffic, tensor cores on GPU
-        with torch.autocast(device.type, dtype=amp_dtype):
+        # opt1: autocast runs convolutions in 16-bit where it is native: half the memory traffic, tensor cores
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
             outputs = model(images)
             loss = criterion(outputs, labels)
         # opt1: float16 gradients can underflow to zero; GradScaler scales the loss up, then back
@@ -114,8 +118,8 @@ def train_one_epoch(model, train_data, criterion, optimizer, scheduler, scaler, 
         if (micro_step + 1) % accum_steps == 0:
             scaler.step(optimizer)
             scaler.update()
-            # opt2: drops the gradients instead of writing zeros (the default since PyTorch 2.0)
-            optimizer.zero_grad(set_to_none=not keep_gradients)  # opt3: unless they must stay put (main)
+            # opt3: zero_grad() drops the gradients (set_to_none, the default); kept ones must stay put (see main)
+            optimizer.zero_grad(set_to_none=not keep_gradients)
             scheduler.step()
             monitor.step()
         losses[micro_step] = loss.detach()
@@ -131,16 +135,17 @@ def evaluate(model, test_data, amp_dtype, batch_size, device):
     """Mean loss and accuracy of `model` on `test_data`."""
     model.eval()
     all_images, all_labels = test_data
+    # opt3: the totals stay on the device: one read at the end, not one wait per batch
     total_loss = torch.zeros((), device=device)
     correct = torch.zeros((), dtype=torch.long, device=device)
     with torch.inference_mode():  # opt2: like no_grad, and also skips autograd's version tracking
         for start in range(0, len(all_labels), batch_size):
             images = normalize(all_images[start:start + batch_size]).contiguous(memory_format=torch.channels_last)
             labels = all_labels[start:start + batch_size]
-            with torch.autocast(device.type, dtype=amp_dtype):  # opt1: 16-bit inference too
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):  # opt1: 16-bit too
                 # opt3: average the logits of each image and its mirror (test-time augmentation), in one call
                 outputs = model(torch.cat([images, images.flip(3)])).view(2, len(labels), -1).mean(0)
-            total_loss += F.cross_entropy(outputs, labels, reduction="sum")
+            total_loss += F.cross_entropy(outputs.float(), labels, reduction="sum")  # opt1: on float32 logits
             correct += (outputs.argmax(1) == labels).sum()
     return total_loss.item() / len(all_labels), correct.item() / len(all_labels)
 
@@ -149,6 +154,9 @@ def main():
     args = parse_args()
     device = common.pick_device(args.device)
     common.print_settings(__file__, device, args)
+    # opt1: 16-bit math only where the hardware runs it: on a CPU without a bfloat16 unit it is emulated, and slow
+    amp_dtype, why = autocast_dtype(device)
+    print(f"precision: {why}")
     torch.manual_seed(args.seed)
 
     # opt3: the whole dataset lives on the device as uint8 (180 MB): 4x less to move than float32,
@@ -163,7 +171,8 @@ def main():
     model = common.ResNet10().to(device, memory_format=torch.channels_last)
     if args.compile:
         # opt1: fuses operations into fewer kernels: less memory traffic and Python overhead
-        # opt3: on CUDA, reduce-overhead replays the step as CUDA graphs: one launch, not hundreds
+        # opt3: on CUDA, reduce-overhead replays the model's forward and backward as CUDA graphs, a launch each
+        # instead of one per kernel (the loss, augmentation and AdamW still launch their kernels one by one)
         model.compile(mode=args.compile_mode or ("reduce-overhead" if device.type == "cuda" else "default"))
     # opt3: accumulating under CUDA graphs needs gradients that stay put: one that backward creates lives in the
     # graphs' memory pool, which the next micro-batch's forward overwrites; so allocate them once and zero them
@@ -176,8 +185,6 @@ def main():
     # opt1: AdamW adapts the step size per weight, so a fixed learning rate converges faster than SGD's
     # opt3: fused=True updates all weights in a few kernels instead of several per tensor
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.05, fused=True)
-    # opt3: bfloat16 wherever the device runs it natively: float32's range, so no GradScaler and no skipped steps
-    amp_dtype = autocast_dtype(device)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bfloat16 needs no scaling
     # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a
     # fixed rate; its length counts optimizer steps, not micro-batches

@@ -48,7 +48,10 @@ def setup_distributed(device):
         # opt4: one process per GPU; NCCL moves gradients GPU to GPU (NVLink, InfiniBand), Gloo on CPUs
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cuda":
+        dist.init_process_group("nccl", device_id=device)  # opt4: names the GPU up front (barrier() warns without)
+    else:
+        dist.init_process_group("gloo")
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -86,14 +89,18 @@ def weights_checksum(model):
 
 
 def autocast_dtype(device):
-    """bfloat16 on the CPU and on GPUs that run it natively (Ampere, sm_80, and newer), else float16.
-
-    Not torch.cuda.is_bf16_supported() alone: it also counts GPUs that only emulate bfloat16 (T4,
-    sm_75), where inductor will not compile bfloat16 and the model would run eager and slow.
-    """
-    if device.type == "cpu" or torch.cuda.is_bf16_supported(including_emulation=False):
-        return torch.bfloat16
-    return torch.float16
+    """The 16-bit type `device` runs natively, or float32 where it has none; and why, in words, for the log."""
+    if device.type == "cuda":
+        # opt3: bfloat16 where the GPU runs it natively (Ampere, sm_80, and newer): float32's range, so no
+        # GradScaler and no skipped steps. Not is_bf16_supported() alone: it also counts GPUs that only
+        # emulate bfloat16 (T4, sm_75), where inductor will not compile it and the model would run eager and slow
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return torch.bfloat16, "bfloat16 autocast: this GPU runs it natively, with float32's range"
+        return torch.float16, "float16 autocast: the GPU's tensor cores run it several times faster than float32"
+    unit = common.bfloat16_unit()
+    if unit is not None:
+        return torch.bfloat16, f"bfloat16 autocast: this CPU runs it natively ({unit})"
+    return torch.float32, "float32: this CPU has no bfloat16 unit, and emulated bfloat16 runs ~12x slower"
 
 
 def load_to_device(dataset, device):
@@ -157,14 +164,13 @@ def train_one_epoch(model, train_data, criterion, optimizer, scheduler, scaler, 
     correct = torch.zeros((), dtype=torch.long, device=device)
     for micro_step, indices in enumerate(batches[: steps * accum_steps]):
         # opt3: normalize, crop and flip the whole batch on the device; channels_last for the model
-        images = augment(normalize(all_images[indices]), augment_generator)
-        images = images.contiguous(memory_format=torch.channels_last)
+        images = augment(normalize(all_images[indices]), augment_generator).contiguous(memory_format=torch.channels_last)
         labels = all_labels[indices]
         step_ends = (micro_step + 1) % accum_steps == 0
         # opt4: gradients are all-reduced once per optimizer step, not after every micro-batch
         with contextlib.nullcontext() if step_ends or world_size == 1 else model.no_sync():
-            # opt1: autocast runs convolutions in 16-bit: half the memory traffic, tensor cores on GPU
-            with torch.autocast(device.type, dtype=amp_dtype):
+            # opt1: autocast runs convolutions in 16-bit where it is native: half the memory traffic, tensor cores
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
                 outputs = model(images)
                 loss = criterion(outputs, labels)
             # opt1: float16 gradients can underflow to zero; GradScaler scales the loss up, then back
@@ -172,8 +178,8 @@ def train_one_epoch(model, train_data, criterion, optimizer, scheduler, scaler, 
         if step_ends:
             scaler.step(optimizer)
             scaler.update()
-            # opt2: drops the gradients instead of writing zeros (the default since PyTorch 2.0)
-            optimizer.zero_grad(set_to_none=not keep_gradients)  # opt3: unless they must stay put (main)
+            # opt3: zero_grad() drops the gradients (set_to_none, the default); kept ones must stay put (see main)
+            optimizer.zero_grad(set_to_none=not keep_gradients)
             scheduler.step()
             monitor.step()
         losses[micro_step] = loss.detach()
@@ -193,16 +199,17 @@ def evaluate(model, test_data, amp_dtype, batch_size, device):
     """Mean loss and accuracy of `model` on `test_data`."""
     model.eval()
     all_images, all_labels = test_data
+    # opt3: the totals stay on the device: one read at the end, not one wait per batch
     total_loss = torch.zeros((), device=device)
     correct = torch.zeros((), dtype=torch.long, device=device)
     with torch.inference_mode():  # opt2: like no_grad, and also skips autograd's version tracking
         for start in range(0, len(all_labels), batch_size):
             images = normalize(all_images[start:start + batch_size]).contiguous(memory_format=torch.channels_last)
             labels = all_labels[start:start + batch_size]
-            with torch.autocast(device.type, dtype=amp_dtype):  # opt1: 16-bit inference too
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):  # opt1: 16-bit too
                 # opt3: average the logits of each image and its mirror (test-time augmentation), in one call
                 outputs = model(torch.cat([images, images.flip(3)])).view(2, len(labels), -1).mean(0)
-            total_loss += F.cross_entropy(outputs, labels, reduction="sum")
+            total_loss += F.cross_entropy(outputs.float(), labels, reduction="sum")  # opt1: on float32 logits
             correct += (outputs.argmax(1) == labels).sum()
     return total_loss.item() / len(all_labels), correct.item() / len(all_labels)
 
@@ -214,13 +221,16 @@ def main():
         train(args, rank, world_size, device)
     finally:
         if world_size > 1:
-            dist.destroy_process_group()  # also on error, so no rank waits for a dead peer
+            dist.destroy_process_group()  # frees the communicators, also on error (torchrun stops the other ranks)
 
 
 def train(args, rank, world_size, device):
     if rank != 0:
         sys.stdout = open(os.devnull, "w")  # opt4: one log: only rank 0 prints
     common.print_settings(__file__, device, args)
+    # opt1: 16-bit math only where the hardware runs it: on a CPU without a bfloat16 unit it is emulated, and slow
+    amp_dtype, why = autocast_dtype(device)
+    print(f"precision: {why}")
     print(f"world size {world_size}: global batch {world_size * args.batch_size * args.accum_steps} "
           f"(--batch-size x world size x --accum-steps)")
     torch.manual_seed(args.seed)
@@ -239,7 +249,8 @@ def train(args, rank, world_size, device):
     model = common.ResNet10().to(device, memory_format=torch.channels_last)
     if args.compile:
         # opt1: fuses operations into fewer kernels: less memory traffic and Python overhead
-        # opt3: on CUDA, reduce-overhead replays the step as CUDA graphs: one launch, not hundreds
+        # opt3: on CUDA, reduce-overhead replays the model's forward and backward as CUDA graphs, a launch each
+        # instead of one per kernel (the loss, augmentation and AdamW still launch their kernels one by one)
         model.compile(mode=args.compile_mode or ("reduce-overhead" if device.type == "cuda" else "default"))
     # opt3: accumulating under CUDA graphs needs gradients that stay put: one that backward creates lives in the
     # graphs' memory pool, which the next micro-batch's forward overwrites; so allocate them once and zero them
@@ -252,11 +263,10 @@ def train(args, rank, world_size, device):
     if world_size > 1:
         # opt4: DDP averages gradients over the ranks in buckets, each sent as soon as its gradients are
         # ready; the kept gradients are views of the buckets (no copy); no BatchNorm buffer broadcast
-        # before every forward (average_batchnorm_statistics does it once per evaluation); static_graph
-        # skips per-step graph checks (it breaks no_sync in this torch, so only without accumulation)
+        # before every forward (average_batchnorm_statistics does it once per evaluation)
         train_model = DistributedDataParallel(
             model, device_ids=[device] if device.type == "cuda" else None, gradient_as_bucket_view=True,
-            forward_sync_buffers=False, static_graph=args.accum_steps == 1)
+            forward_sync_buffers=False)
     # opt2: label smoothing keeps the logits from growing without bound: better accuracy in few epochs
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     # opt1: AdamW adapts the step size per weight, so a fixed learning rate converges faster than SGD's
@@ -264,8 +274,6 @@ def train(args, rank, world_size, device):
     # opt4: a world_size times larger global batch averages away noise: scale AdamW's rate by its square root
     max_lr = args.lr * world_size ** 0.5
     optimizer = torch.optim.AdamW(model.parameters(), lr=max_lr, weight_decay=0.05, fused=True)
-    # opt3: bfloat16 wherever the device runs it natively: float32's range, so no GradScaler and no skipped steps
-    amp_dtype = autocast_dtype(device)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bfloat16 needs no scaling
     # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a
     # fixed rate; its length counts optimizer steps, not micro-batches
