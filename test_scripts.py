@@ -567,6 +567,7 @@ CAPABILITIES = {
     "AMD EPYC, Zen 4": ({"avx512_bf16": True, "amx_bf16": False}, torch.bfloat16, "AVX-512 BF16"),
     "AMD EPYC, AVX2 only": ({"avx2": True, "avx512_bf16": False, "amx_bf16": False}, torch.float32, None),
     "Arm with BF16 (Graviton 3)": ({"neon": True, "bf16": True, "sve_bf16": True}, torch.bfloat16, "SVE BF16"),
+    "Arm with BF16, no SVE": ({"neon": True, "bf16": True, "sve": False}, torch.bfloat16, "Arm BF16"),
     "Arm without BF16 (Graviton 2)": ({"neon": True, "bf16": False}, torch.float32, None),
 }
 
