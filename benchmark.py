@@ -29,8 +29,8 @@ SCRIPTS = ["baseline.py", "opt1.py", "opt2.py", "opt3.py"]
 # (rung, script, flags, the rung it is compared with, what it adds, what of that acts only on a GPU)
 LADDER = [
     ("baseline", "baseline.py", [], None, "float32, eager, SGD, PIL loader", ""),
-    ("opt1 eager", "opt1.py", ["--no-compile"], "baseline", "16-bit autocast where native (else float32), AdamW, cudnn.benchmark",
-     "cudnn.benchmark"),
+    ("opt1 eager", "opt1.py", ["--no-compile"], "baseline",
+     "16-bit autocast where native (else float32), AdamW, cudnn.benchmark", "cudnn.benchmark"),
     ("opt1", "opt1.py", [], "opt1 eager", "torch.compile", ""),
     ("opt2, 0 workers", "opt2.py", ["--workers", "0"], "opt1",
      "OneCycleLR, normalize + crop + flip, label smoothing, inference_mode",
@@ -109,11 +109,6 @@ def median(reports, field):
     return None if None in values else statistics.median(values)
 
 
-def shown(value, spec):
-    """`value` formatted by `spec`, or n/a where it was not measured."""
-    return "n/a" if value is None else format(value, spec)
-
-
 def medians(results, peak_tflops):
     """One row of medians per run name; peak_tflops is None where bfloat16 is not native."""
     rows = []
@@ -137,8 +132,8 @@ def markdown_table(results, peak_tflops):
         speedup = f"{row['images_per_second'] / baseline_speed:.2f}x" if baseline_speed else "n/a"
         lines.append(
             f"| {row['name']} | {row['images_per_second']:.0f} | {speedup} | {row['ms_per_step']:.1f} "
-            f"| {row['warmup_seconds']:.1f} | {shown(row['peak_memory_gib'], '.2f')} | {row['tflops']:.3f} "
-            f"| {shown(row['percent_of_bf16_peak'], '.0f')} | {100 * row['test_accuracy']:.1f} |")
+            f"| {row['warmup_seconds']:.1f} | {common.shown(row['peak_memory_gib'], '.2f')} | {row['tflops']:.3f} "
+            f"| {common.shown(row['percent_of_bf16_peak'], '.0f')} | {100 * row['test_accuracy']:.1f} |")
     return "\n".join(lines)
 
 
@@ -154,8 +149,8 @@ def ladder_table(results, peak_tflops):
             f"| {rung} | `{' '.join([script, *flags])}` | {adds} | {gpu_only or '-'} "
             f"| {row['images_per_second']:.0f} | {compared_with or ''} | {speedup} "
             f"| {row['images_per_second'] / rows['baseline']['images_per_second']:.2f}x | {row['ms_per_step']:.1f} "
-            f"| {row['warmup_seconds']:.1f} | {shown(row['peak_memory_gib'], '.2f')} "
-            f"| {shown(row['percent_of_bf16_peak'], '.0f')} |")
+            f"| {row['warmup_seconds']:.1f} | {common.shown(row['peak_memory_gib'], '.2f')} "
+            f"| {common.shown(row['percent_of_bf16_peak'], '.0f')} |")
     return "\n".join(lines)
 
 
@@ -187,7 +182,7 @@ def main():
     print(f"\n{machine}, {first['threads']} threads, torch {first['torch']}; {data}, "
           f"{args.train_size} training images x {args.epochs} epochs, batch {args.batch_size}, "
           f"medians of {args.repeats} rounds; peak = the best 4096x4096 matmul of all rounds: "
-          f"bf16 {shown(peak_tflops, '.2f')} TFLOP/s, float32 {float32_peak_tflops:.2f} TFLOP/s"
+          f"bf16 {common.shown(peak_tflops, '.2f')} TFLOP/s, float32 {float32_peak_tflops:.2f} TFLOP/s"
           f"{' (bf16 not measured: no bfloat16 unit, so the scripts run float32)' if peak_tflops is None else ''}\n")
     print(ladder_table(results, peak_tflops) if args.ladder else markdown_table(results, peak_tflops))
     if args.json:

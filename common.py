@@ -357,6 +357,11 @@ def step_monitor(epoch, profile_dir, device, clock=time.monotonic):
         yield SimpleNamespace(step=step)
 
 
+def shown(value, spec):
+    """`value` formatted by `spec`, or n/a where it was not measured (a bf16 peak without a bf16 unit, say)."""
+    return "n/a" if value is None else format(value, spec)
+
+
 def epoch_record(epoch, train_loss, train_accuracy, test_loss, test_accuracy, train_seconds, steps, images):
     """One epoch's figures as a dict; also prints them as one line."""
     record = {

@@ -66,8 +66,8 @@ def markdown_tables(runs, ladder):
               "|---|---|---|---|---|---|---|"]
     for row in ladder["rows"]:
         lines.append(f"| {row['name']} | {row['images_per_second']:.0f} | {row['ms_per_step']:.1f} "
-                     f"| {row['warmup_seconds']:.1f} | {row['peak_memory_gib']:.2f} | {row['tflops']:.3f} "
-                     f"| {row['percent_of_bf16_peak']:.0f} |")
+                     f"| {row['warmup_seconds']:.1f} | {common.shown(row['peak_memory_gib'], '.2f')} "
+                     f"| {row['tflops']:.3f} | {common.shown(row['percent_of_bf16_peak'], '.0f')} |")
     return "\n".join(lines)
 
 
@@ -98,8 +98,9 @@ def draw(runs, ladder, out):
     names = [row["name"] for row in rows]
     tflops = [row["tflops"] for row in rows]
     speed_axis.bar(range(len(rows)), tflops, color="tab:blue")
-    speed_axis.axhline(ladder["bf16_peak_tflops"], color="tab:red", linestyle="--",
-                       label=f"bf16 matmul peak {ladder['bf16_peak_tflops']:.2f} TFLOP/s")
+    if ladder["bf16_peak_tflops"] is not None:  # None: a CPU without a bfloat16 unit, where the scripts run float32
+        speed_axis.axhline(ladder["bf16_peak_tflops"], color="tab:red", linestyle="--",
+                           label=f"bf16 matmul peak {ladder['bf16_peak_tflops']:.2f} TFLOP/s")
     if "float32_peak_tflops" in ladder:  # the reference for the float32 baseline
         speed_axis.axhline(ladder["float32_peak_tflops"], color="tab:gray", linestyle=":",
                            label=f"float32 matmul peak {ladder['float32_peak_tflops']:.2f} TFLOP/s")
@@ -108,7 +109,7 @@ def draw(runs, ladder, out):
                         fontsize=7)
     speed_axis.set_xticks(range(len(rows)), names, rotation=35, ha="right", fontsize=8)
     speed_axis.set(title="Steady speed per ladder rung, batch 128 (labels: images/s)", ylabel="achieved TFLOP/s",
-                   ylim=(0, 1.15 * max(ladder["bf16_peak_tflops"], *tflops)))
+                   ylim=(0, 1.15 * max(ladder["bf16_peak_tflops"] or 0, ladder.get("float32_peak_tflops", 0), *tflops)))
     speed_axis.legend(fontsize=8, loc="upper left")
     first = runs[0]
     machine = f"{first['cpu']}, {first['threads']} threads" if first["device"] == "cpu" else first["device_name"]

@@ -865,6 +865,20 @@ def test_plot_draws_the_figure_from_json_lines(tmp_path):
     assert out.read_bytes().startswith(b"\x89PNG") and 10_000 < out.stat().st_size < 200_000
 
 
+def test_plot_draws_and_tables_a_ladder_from_a_cpu_without_a_bfloat16_unit(tmp_path):
+    pytest.importorskip("matplotlib", reason="plot.py needs matplotlib (pip install -r requirements.txt)")
+    write_plot_fixture(tmp_path)
+    ladder = json.loads((tmp_path / "ladder.jsonl").read_text())
+    ladder.update(bf16_peak_tflops=None, float32_peak_tflops=0.18)  # what benchmark.py writes on such a CPU
+    ladder["rows"] = [{**row, "percent_of_bf16_peak": None} for row in ladder["rows"]]
+    (tmp_path / "ladder.jsonl").write_text(json.dumps(ladder) + "\n")
+    data = ["--runs", tmp_path / "runs.jsonl", "--ladder", tmp_path / "ladder.jsonl"]
+    tables = run_script("plot.py", "--tables", *data)
+    assert tables.returncode == 0, tables.stderr
+    assert "| opt3 | 300 | 1000.0 | 0.5 | 1.00 | 0.450 | n/a |" in tables.stdout
+    assert run_script("plot.py", *data, "--out", tmp_path / "figure.png").returncode == 0
+
+
 def test_plot_tables_print_the_latest_real_data_run_of_each_script(tmp_path):
     write_plot_fixture(tmp_path)
     result = run_script("plot.py", "--tables", "--runs", tmp_path / "runs.jsonl", "--ladder", tmp_path / "ladder.jsonl")
