@@ -8,6 +8,7 @@ import contextlib
 import datetime
 import json
 import math
+import os
 import platform
 import shlex
 import sys
@@ -37,6 +38,8 @@ CIFAR10_TRAIN_SIZE = 50_000
 CIFAR10_TEST_SIZE = 10_000
 # A long epoch (minutes on a CPU) prints a progress line this often.
 PROGRESS_SECONDS = 30
+# Where the launch clock starts on systems without /proc: when the first script imports this module.
+IMPORTED_AT = time.perf_counter()
 
 
 # ---------------------------------------------------------------------------------------- model
@@ -291,6 +294,21 @@ def now(device):
     return time.perf_counter()
 
 
+def seconds_since_launch():
+    """Wall seconds since this process started: Python's start-up, imports and data loading included.
+
+    Linux: from the kernel's record of the process start (10 ms ticks). Elsewhere: since common.py was
+    imported, which misses the interpreter's start-up and the import of torch (a few seconds).
+    """
+    try:
+        with open("/proc/uptime") as uptime, open("/proc/self/stat") as stat:
+            seconds_since_boot = float(uptime.read().split()[0])
+            start_ticks = int(stat.read().rpartition(")")[2].split()[19])  # field 22, starttime, after the name
+        return seconds_since_boot - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.perf_counter() - IMPORTED_AT
+
+
 def bfloat16_unit():
     """The name of this CPU's bfloat16 hardware, or None where it has none and oneDNN would emulate bfloat16."""
     capabilities = torch.cpu.get_capabilities()
@@ -362,8 +380,12 @@ def shown(value, spec):
     return "n/a" if value is None else format(value, spec)
 
 
-def epoch_record(epoch, train_loss, train_accuracy, test_loss, test_accuracy, train_seconds, steps, images):
-    """One epoch's figures as a dict; also prints them as one line."""
+def epoch_record(epoch, train_loss, train_accuracy, test_loss, test_accuracy, train_seconds, steps, images,
+                 image_size=None, test_images=None):
+    """One epoch's figures as a dict; also prints them as one line.
+
+    `image_size` and `test_images` are for scripts that train on smaller images or evaluate part of the test set.
+    """
     record = {
         "epoch": epoch,
         "train_loss": train_loss,
@@ -375,18 +397,30 @@ def epoch_record(epoch, train_loss, train_accuracy, test_loss, test_accuracy, tr
         "ms_per_step": 1000 * train_seconds / steps,
         "steps": steps,
         "images": images,
+        "launch_seconds": seconds_since_launch(),  # the test accuracy is known this long after the launch
     }
+    size = test = ""
+    if image_size is not None:
+        record["image_size"] = image_size
+        size = f" ({image_size}x{image_size})"
+    if test_images is not None:
+        record["test_images"] = test_images
+        test = f" ({test_images} images)"
     note = "  (includes compile/warm-up)" if epoch == 1 else ""
-    print(f"epoch {epoch}: train loss {train_loss:.4f} acc {100 * train_accuracy:.2f}% | "
-          f"test loss {test_loss:.4f} acc {100 * test_accuracy:.2f}% | "
+    print(f"epoch {epoch}: train{size} loss {train_loss:.4f} acc {100 * train_accuracy:.2f}% | "
+          f"test{test} loss {test_loss:.4f} acc {100 * test_accuracy:.2f}% | "
           f"{train_seconds:.1f} s, {record['images_per_second']:.0f} img/s, "
-          f"{record['ms_per_step']:.1f} ms/step{note}", flush=True)
+          f"{record['ms_per_step']:.1f} ms/step | {record['launch_seconds']:.0f} s since launch{note}", flush=True)
     return record
 
 
 def summarize(records, total_seconds, peak_memory, flops_per_image):
-    """Whole-run figures. Steady state = epochs after the first, so compile/warm-up is excluded."""
-    steady = records[1:]
+    """Whole-run figures. Steady state = epochs after the first, so compile/warm-up is excluded.
+
+    Where epochs train on different image sizes their speeds do not add up, and steady state is not measured.
+    """
+    one_size = len({record.get("image_size") for record in records}) == 1
+    steady = records[1:] if one_size else []
     summary = {
         "total_seconds": total_seconds,
         "warmup_seconds": None,
@@ -394,6 +428,7 @@ def summarize(records, total_seconds, peak_memory, flops_per_image):
         "steady_ms_per_step": None,
         "achieved_tflops": None,
         "final_test_accuracy": records[-1]["test_accuracy"],
+        "launch_to_result_seconds": records[-1]["launch_seconds"],
         "peak_memory_bytes": peak_memory,
         "training_flops_per_image": flops_per_image,
     }
@@ -417,10 +452,13 @@ def report(script, args, device, records, total_seconds, extra=None):
     memory_kind = "GPU max allocated" if device.type == "cuda" else "CPU peak RSS"
     peak = summary["peak_memory_bytes"]
     memory = f"{peak / 2**30:.2f} GiB ({memory_kind})" if peak is not None else "not measured on this system"
-    print(f"done: {total_seconds:.1f} s in all | final test acc {100 * summary['final_test_accuracy']:.2f}% | "
+    print(f"done: {total_seconds:.1f} s of epochs, {summary['launch_to_result_seconds']:.0f} s from launch to result | "
+          f"final test acc {100 * summary['final_test_accuracy']:.2f}% | "
           f"peak memory {memory}")
     if summary["steady_images_per_second"] is None:
-        print("steady state: not measured (it excludes epoch 1, so it needs --epochs 2 or more)")
+        why = "it excludes epoch 1, so it needs --epochs 2 or more" if len(records) == 1 else \
+            "the epochs train on different image sizes; each epoch's line has its speed"
+        print(f"steady state: not measured ({why})")
     else:
         print(f"steady state (epochs 2+): {summary['steady_images_per_second']:.0f} img/s, "
               f"{summary['steady_ms_per_step']:.1f} ms/step, {summary['achieved_tflops']:.3f} TFLOP/s | "

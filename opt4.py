@@ -1,23 +1,18 @@
-"""opt4.py: opt3.py + data parallelism over many GPUs and machines: DistributedDataParallel under torchrun.
+"""opt4.py: opt3.py + fewer steps to the same accuracy: progressive resizing (early epochs on
+smaller images) and a small test subset after each epoch, the whole test set only at the end.
 
-    torchrun --nproc_per_node=8 opt4.py --epochs 5    # one machine, 8 GPUs
-    torchrun --nnodes=2 --node_rank=0 --nproc_per_node=8 --rdzv_endpoint=HOST:29500 opt4.py --epochs 5
-    python opt4.py --epochs 5                          # no torchrun: one process, like opt3.py
+    python opt4.py --epochs 5               # CIFAR-10 in ./data, downloaded if missing
+    python opt4.py --synthetic --epochs 2   # no download: measures speed only
 
-Each optimization is marked `# opt4:` where it happens; read `diff -u opt3.py opt4.py`.
+opt1-opt3 make each step faster; opt4 makes the run need less work. Each optimization is marked
+`# opt4:` where it happens; read `diff -u opt3.py opt4.py`.
 """
 import argparse
-import contextlib
 import functools
-import hashlib
-import os
-import sys
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel
 
 import common
 
@@ -35,57 +30,13 @@ def parse_args():
                         help="micro-batches per optimizer step; effective batch = batch size x this (default: 1)")
     parser.add_argument("--label-smoothing", type=common.fraction, default=0.1,
                         help="weight of the uniform target mixed into each label (default: 0.1)")
+    parser.add_argument("--min-size", type=int, default=16, choices=[8, 16, 24, 32],
+                        help="image size of the first epoch; it grows to 32 by the last (default: 16)")
+    parser.add_argument("--monitor-size", type=common.positive_int, default=1000,
+                        help="test images evaluated after each epoch but the last, which evaluates them all "
+                             "(default: 1000)")
     args = parser.parse_args()
-    world_size = int(os.environ.get("WORLD_SIZE", 1))  # opt4: set by torchrun
-    return common.check_args(args, images_per_step=args.batch_size * args.accum_steps * world_size)
-
-
-def setup_distributed(device):
-    """(rank, world size, device): torchrun's when it started us, else (0, 1, device) and no process group."""
-    if "RANK" not in os.environ:
-        return 0, 1, device
-    if device.type == "cuda":
-        # opt4: one process per GPU; NCCL moves gradients GPU to GPU (NVLink, InfiniBand), Gloo on CPUs
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-    if device.type == "cuda":
-        dist.init_process_group("nccl", device_id=device)  # opt4: names the GPU up front (barrier() warns without)
-    else:
-        dist.init_process_group("gloo")
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-@contextlib.contextmanager
-def local_rank_zero_first(world_size):
-    """Runs the body on each machine's first process before its others: one download per machine, not one per rank."""
-    first = world_size == 1 or int(os.environ["LOCAL_RANK"]) == 0
-    if not first:
-        dist.barrier()  # wait until the first process has the data
-    yield
-    if first and world_size > 1:
-        dist.barrier()  # let the others read it
-
-
-def average_batchnorm_statistics(model, world_size):
-    """Average BatchNorm's running means and variances over the ranks, so every rank evaluates the same model.
-
-    Each rank's statistics follow its own share of the data. Averaging them once per evaluation
-    replaces DDP's broadcast of rank 0's before every forward (off: forward_sync_buffers=False).
-    """
-    if world_size == 1:
-        return
-    for buffer in model.buffers():
-        if buffer.is_floating_point():  # num_batches_tracked counts the same steps on every rank
-            dist.all_reduce(buffer)
-            buffer /= world_size
-
-
-def weights_checksum(model):
-    """A short hash of every parameter's and buffer's bytes: equal on all ranks when they are in step."""
-    digest = hashlib.sha256()
-    for tensor in [*model.parameters(), *model.buffers()]:
-        digest.update(tensor.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()[:16]
+    return common.check_args(args, images_per_step=args.batch_size * args.accum_steps)
 
 
 def autocast_dtype(device):
@@ -137,25 +88,36 @@ def augment(images, generator):
     return padded[image_index, channel_index, rows.view(batch, 1, 32, 1), columns.view(batch, 1, 1, 32)]
 
 
-def epoch_batches(size, batch_size, generator, device, rank, world_size):
-    """This rank's share of one epoch's batches, as rows of image indices.
+def image_size(epoch, epochs, min_size):
+    """The side of the images trained on in `epoch`: from min_size in the first to 32 in the last, in steps of 8."""
+    if epochs == 1:
+        return 32
+    return min_size + (32 - min_size) * (epoch - 1) // (epochs - 1) // 8 * 8
 
-    Every rank draws the same permutation (same seed) and cuts it into global batches of
-    world_size x batch_size; rank r takes the r-th slice of each, so the shares are disjoint.
+
+def downscale(images, size):
+    """Shrink a batch of 32x32 images to size x size; each new pixel is the mean of the pixels it covers."""
+    if size == 32:
+        return images
+    return F.interpolate(images, size=(size, size), mode="area")
+
+
+def epoch_batches(size, batch_size, generator, device):
+    """One epoch's batches as rows of image indices: a fresh permutation cut into full batches.
+
     The few images left over change each epoch; every batch is full, so a compiled step sees one shape.
     """
     permutation = torch.randperm(size, device=device, generator=generator)
-    global_batch = batch_size * world_size
-    return permutation[: size // global_batch * global_batch].view(-1, world_size, batch_size)[:, rank]
+    return permutation[: size // batch_size * batch_size].view(-1, batch_size)
 
 
 def train_one_epoch(model, train_data, criterion, optimizer, scheduler, scaler, amp_dtype, accum_steps, keep_gradients,
-                    batch_size, generator, augment_generator, rank, world_size, device, epoch, monitor):
+                    batch_size, generator, device, epoch, monitor, size):
     """One pass over `train_data`; returns mean loss, accuracy, optimizer steps and images trained on."""
     model.train()
     all_images, all_labels = train_data
     # opt3: batches are index slices of the on-device dataset: no loader, no workers, no copies
-    batches = epoch_batches(len(all_labels), batch_size, generator, device, rank, world_size)
+    batches = epoch_batches(len(all_labels), batch_size, generator, device)
     # opt2: accumulating gradients of accum_steps micro-batches gives a big batch's step in less memory;
     # every step gets exactly accum_steps micro-batches, so a few left over at the end are skipped
     steps = len(batches) // accum_steps
@@ -164,18 +126,18 @@ def train_one_epoch(model, train_data, criterion, optimizer, scheduler, scaler, 
     correct = torch.zeros((), dtype=torch.long, device=device)
     for micro_step, indices in enumerate(batches[: steps * accum_steps]):
         # opt3: normalize, crop and flip the whole batch on the device; channels_last for the model
-        images = augment(normalize(all_images[indices]), augment_generator).contiguous(memory_format=torch.channels_last)
+        images = augment(normalize(all_images[indices]), generator)
+        # opt4: progressive resizing: a convolution's work scales with the pixels, so a 16x16 epoch costs about a
+        # quarter of a 32x32 one; ResNet10 pools globally, so it takes any size, and the last epochs teach it 32x32
+        images = downscale(images, size).contiguous(memory_format=torch.channels_last)
         labels = all_labels[indices]
-        step_ends = (micro_step + 1) % accum_steps == 0
-        # opt4: gradients are all-reduced once per optimizer step, not after every micro-batch
-        with contextlib.nullcontext() if step_ends or world_size == 1 else model.no_sync():
-            # opt1: autocast runs convolutions in 16-bit where it is native: half the memory traffic, tensor cores
-            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
-                outputs = model(images)
-                loss = criterion(outputs, labels)
-            # opt1: float16 gradients can underflow to zero; GradScaler scales the loss up, then back
-            scaler.scale(loss / accum_steps).backward()  # opt2: the mean over the effective batch
-        if step_ends:
+        # opt1: autocast runs convolutions in 16-bit where it is native: half the memory traffic, tensor cores
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
+            outputs = model(images)
+            loss = criterion(outputs, labels)
+        # opt1: float16 gradients can underflow to zero; GradScaler scales the loss up, then back
+        scaler.scale(loss / accum_steps).backward()  # opt2: the mean over the effective batch
+        if (micro_step + 1) % accum_steps == 0:
             scaler.step(optimizer)
             scaler.update()
             # opt3: zero_grad() drops the gradients (set_to_none, the default); kept ones must stay put (see main)
@@ -187,12 +149,8 @@ def train_one_epoch(model, train_data, criterion, optimizer, scheduler, scaler, 
     # opt3: the one wait for the device per epoch; a non-finite loss is found here, not at its step
     for micro_step, loss_value in enumerate(losses.tolist()):
         common.check_finite(loss_value, epoch, micro_step // accum_steps + 1)
-    totals = torch.stack([losses.sum(), correct.to(losses.dtype), torch.tensor(float(len(losses)), device=device)])
-    if world_size > 1:
-        dist.all_reduce(totals)  # opt4: loss, accuracy and images/s count every rank's share
-    loss_sum, correct_sum, micro_batches = totals.tolist()
-    images_seen = int(micro_batches) * batch_size
-    return loss_sum / micro_batches, correct_sum / images_seen, steps, images_seen
+    images_seen = len(losses) * batch_size
+    return losses.mean().item(), correct.item() / images_seen, steps, images_seen
 
 
 def evaluate(model, test_data, amp_dtype, batch_size, device):
@@ -216,32 +174,18 @@ def evaluate(model, test_data, amp_dtype, batch_size, device):
 
 def main():
     args = parse_args()
-    rank, world_size, device = setup_distributed(common.pick_device(args.device))
-    try:
-        train(args, rank, world_size, device)
-    finally:
-        if world_size > 1:
-            dist.destroy_process_group()  # frees the communicators, also on error (torchrun stops the other ranks)
-
-
-def train(args, rank, world_size, device):
-    if rank != 0:
-        sys.stdout = open(os.devnull, "w")  # opt4: one log: only rank 0 prints
+    device = common.pick_device(args.device)
     common.print_settings(__file__, device, args)
     # opt1: 16-bit math only where the hardware runs it: on a CPU without a bfloat16 unit it is emulated, and slow
     amp_dtype, why = autocast_dtype(device)
     print(f"precision: {why}")
-    print(f"world size {world_size}: global batch {world_size * args.batch_size * args.accum_steps} "
-          f"(--batch-size x world size x --accum-steps)")
     torch.manual_seed(args.seed)
 
     # opt3: the whole dataset lives on the device as uint8 (180 MB): 4x less to move than float32,
     # and no loader, workers or host-to-device copy per step; normalize() and augment() run per batch
-    with local_rank_zero_first(world_size):  # opt4: ranks that share a machine share its one download
-        train_set, test_set = common.load_data(args, train_transform=None, test_transform=None)
+    train_set, test_set = common.load_data(args, train_transform=None, test_transform=None)
     train_data, test_data = load_to_device(train_set, device), load_to_device(test_set, device)
-    generator = torch.Generator(device).manual_seed(args.seed)  # the same permutation on every rank
-    augment_generator = torch.Generator(device).manual_seed(args.seed + rank)  # opt4: each rank its own crops
+    generator = torch.Generator(device).manual_seed(args.seed)
 
     # opt1: cuDNN times its convolution algorithms once per input shape and keeps the fastest
     torch.backends.cudnn.benchmark = True
@@ -251,57 +195,50 @@ def train(args, rank, world_size, device):
         # opt1: fuses operations into fewer kernels: less memory traffic and Python overhead
         # opt3: on CUDA, reduce-overhead replays the model's forward and backward as CUDA graphs, a launch each
         # instead of one per kernel (the loss, augmentation and AdamW still launch their kernels one by one)
-        model.compile(mode=args.compile_mode or ("reduce-overhead" if device.type == "cuda" else "default"))
+        # opt4: dynamic=False compiles a graph for each image size; by default the second size would recompile
+        # into one graph with symbolic sizes, whose kernels are less specialized
+        model.compile(mode=args.compile_mode or ("reduce-overhead" if device.type == "cuda" else "default"),
+                      dynamic=False)
     # opt3: accumulating under CUDA graphs needs gradients that stay put: one that backward creates lives in the
     # graphs' memory pool, which the next micro-batch's forward overwrites; so allocate them once and zero them
-    # opt4: and under DDP, where they are views of its all-reduce buckets: set to None, every step would copy them
-    keep_gradients = args.accum_steps > 1 or world_size > 1
+    keep_gradients = args.accum_steps > 1
     if keep_gradients:
         for parameter in model.parameters():
             parameter.grad = torch.zeros_like(parameter)
-    train_model = model
-    if world_size > 1:
-        # opt4: DDP averages gradients over the ranks in buckets, each sent as soon as its gradients are
-        # ready; the kept gradients are views of the buckets (no copy); no BatchNorm buffer broadcast
-        # before every forward (average_batchnorm_statistics does it once per evaluation)
-        train_model = DistributedDataParallel(
-            model, device_ids=[device] if device.type == "cuda" else None, gradient_as_bucket_view=True,
-            forward_sync_buffers=False)
     # opt2: label smoothing keeps the logits from growing without bound: better accuracy in few epochs
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     # opt1: AdamW adapts the step size per weight, so a fixed learning rate converges faster than SGD's
     # opt3: fused=True updates all weights in a few kernels instead of several per tensor
-    # opt4: a world_size times larger global batch averages away noise: scale AdamW's rate by its square root
-    max_lr = args.lr * world_size ** 0.5
-    optimizer = torch.optim.AdamW(model.parameters(), lr=max_lr, weight_decay=0.05, fused=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.05, fused=True)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bfloat16 needs no scaling
     # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a
     # fixed rate; its length counts optimizer steps, not micro-batches
-    total_steps = args.epochs * (len(train_data[1]) // (args.batch_size * world_size) // args.accum_steps)
+    total_steps = args.epochs * (len(train_data[1]) // args.batch_size // args.accum_steps)
     if total_steps < 5:
         common.fail(f"{total_steps} optimizer steps in all are too few for OneCycleLR's warm-up (it needs 5); "
                     "use more --epochs or --train-size")
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=max_lr, total_steps=total_steps, pct_start=0.25)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total_steps, pct_start=0.25)
 
+    # opt4: after each epoch but the last, a fixed subset of the test set shows the curve at a small cost
+    # (1,000 images: about 1 % of a 32x32 epoch's work); the last epoch evaluates them all
+    monitor_data = [data[:args.monitor_size] for data in test_data]
     records = []
     start = common.now(device)
     for epoch in range(1, args.epochs + 1):
-        profile_dir = args.profile if epoch == args.epochs and rank == 0 else None
-        with common.step_monitor(epoch, profile_dir, device) as monitor:
+        size = image_size(epoch, args.epochs, args.min_size)
+        with common.step_monitor(epoch, args.profile if epoch == args.epochs else None, device) as monitor:
             epoch_start = common.now(device)
             train_loss, train_accuracy, steps, images = train_one_epoch(
-                train_model, train_data, criterion, optimizer, scheduler, scaler, amp_dtype, args.accum_steps,
-                keep_gradients, args.batch_size, generator, augment_generator, rank, world_size, device, epoch, monitor)
+                model, train_data, criterion, optimizer, scheduler, scaler, amp_dtype, args.accum_steps,
+                keep_gradients, args.batch_size, generator, device, epoch, monitor, size)
             train_seconds = common.now(device) - epoch_start
-        average_batchnorm_statistics(model, world_size)  # opt4: every rank evaluates and saves the same model
-        test_loss, test_accuracy = evaluate(model, test_data, amp_dtype, args.batch_size, device)
+        evaluated = test_data if epoch == args.epochs else monitor_data
+        test_loss, test_accuracy = evaluate(model, evaluated, amp_dtype, args.batch_size, device)
         records.append(common.epoch_record(
-            epoch, train_loss, train_accuracy, test_loss, test_accuracy, train_seconds, steps, images))
-    print(f"rank {rank} of {world_size}: weights checksum {weights_checksum(model)}", file=sys.stderr)
-    if rank != 0:
-        return  # opt4: rank 0 alone writes the report, the weights and the trace
+            epoch, train_loss, train_accuracy, test_loss, test_accuracy, train_seconds, steps, images,
+            image_size=size, test_images=len(evaluated[1])))
     common.report(__file__, args, device, records, common.now(device) - start,
-                  extra={"final_lr": optimizer.param_groups[0]["lr"], "world_size": world_size})
+                  extra={"final_lr": optimizer.param_groups[0]["lr"]})
     if args.save:
         torch.save(model.state_dict(), args.save)
 

@@ -28,10 +28,12 @@ import opt1
 import opt2
 import opt3
 import opt4
+import opt5
 
 ROOT = Path(__file__).resolve().parent
 SCRIPTS = {"baseline.py": baseline, "opt1.py": opt1, "opt2.py": opt2, "opt3.py": opt3}
-ALL_SCRIPTS = {**SCRIPTS, "opt4.py": opt4}
+ALL_SCRIPTS = {**SCRIPTS, "opt4.py": opt4, "opt5.py": opt5}
+FUSED_ADAMW = ("opt3.py", "opt4.py", "opt5.py")  # opt3 onwards
 CPU = torch.device("cpu")
 # Point downloads at a closed local port, so "no network" fails at once on any machine.
 NO_NETWORK = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}
@@ -79,11 +81,11 @@ LEARN_ARGS = {
 }
 EVAL_TRANSFORM = {"baseline.py": common.plain_transform, "opt1.py": common.plain_transform,
                   "opt2.py": common.normalized_transform, "opt3.py": None}
-SUMMARY_FIELDS = {"total_seconds", "warmup_seconds", "steady_images_per_second", "steady_ms_per_step",
-                  "achieved_tflops", "final_test_accuracy", "peak_memory_bytes", "training_flops_per_image",
-                  "final_lr", "script", "device", "torch", "data", "settings", "epochs"}
+SUMMARY_FIELDS = {"total_seconds", "launch_to_result_seconds", "warmup_seconds", "steady_images_per_second",
+                  "steady_ms_per_step", "achieved_tflops", "final_test_accuracy", "peak_memory_bytes",
+                  "training_flops_per_image", "final_lr", "script", "device", "torch", "data", "settings", "epochs"}
 EPOCH_FIELDS = {"epoch", "train_loss", "train_accuracy", "test_loss", "test_accuracy", "train_seconds",
-                "images_per_second", "ms_per_step", "steps", "images"}
+                "images_per_second", "ms_per_step", "steps", "images", "launch_seconds"}
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -128,8 +130,10 @@ def test_help_documents_every_flag_with_its_default(script):
              "--train-size", "--test-size", "--json", "--save", "--profile"]
     if script != "baseline.py":
         flags.append("--compile")
-    if script in ("opt2.py", "opt3.py", "opt4.py"):
+    if script not in ("baseline.py", "opt1.py"):
         flags += ["--accum-steps", "--label-smoothing"]
+    if script in ("opt4.py", "opt5.py"):
+        flags += ["--min-size", "--monitor-size"]
     for flag in flags:
         assert flag in result.stdout
     help_texts = result.stdout.split("options:")[1].split("\n  -")[2:]  # skip -h
@@ -228,10 +232,10 @@ def test_a_non_finite_loss_stops_the_run_naming_epoch_and_step(script, capsys):
              scaler=torch.amp.GradScaler("cpu", enabled=False), amp_dtype=CPU_AMP_DTYPE, accum_steps=1,
              keep_gradients=False, batch_size=4, generator=torch.Generator().manual_seed(0),
              augment_generator=torch.Generator().manual_seed(1), rank=0, world_size=1, device=CPU, epoch=3,
-             monitor=NO_MONITOR)
+             monitor=NO_MONITOR, size=32)
     assert exit_info.value.code == 1
     assert "loss is nan at epoch 3, step 1" in capsys.readouterr().err
-    if script not in ("opt3.py", "opt4.py"):  # they read their losses once per epoch, after the steps
+    if script not in FUSED_ADAMW:  # they read their losses once per epoch, after the steps
         assert model.weight.item() == 1.0, "the bad step must not reach the weights"
 
 
@@ -312,7 +316,7 @@ def onecycle_lr_after(total_steps, max_lr):
     return optimizer.param_groups[0]["lr"]
 
 
-@pytest.mark.parametrize("script, accum_steps", [("opt2.py", 1), ("opt2.py", 3), ("opt3.py", 3), ("opt4.py", 3)])
+@pytest.mark.parametrize("script, accum_steps", [("opt2.py", 1), ("opt2.py", 3), ("opt3.py", 3), ("opt5.py", 3)])
 def test_onecycle_length_counts_optimizer_steps(script, accum_steps, tmp_path):
     json_path = tmp_path / "result.json"
     workers = ["--workers", 0] if script == "opt2.py" else []
@@ -368,7 +372,8 @@ def test_progress_is_silent_in_a_short_epoch(capsys):
 
 def test_steady_state_excludes_the_first_epoch():
     def record(seconds, images=1000, steps=10):
-        return {"train_seconds": seconds, "images": images, "steps": steps, "test_accuracy": 0.5}
+        return {"train_seconds": seconds, "images": images, "steps": steps, "test_accuracy": 0.5,
+                "launch_seconds": 9.0}
 
     records = [record(100.0), record(10.0), record(10.0)]
     summary = common.summarize(records, total_seconds=125.0, peak_memory=1, flops_per_image=1e9)
@@ -499,6 +504,7 @@ IN_EFFECT = {
     "opt2.py": ((False, False), False, 0.1),
     "opt3.py": ((True, True), True, 0.1),
     "opt4.py": ((True, True), True, 0.1),
+    "opt5.py": ((True, True), True, 0.1),
 }
 
 
@@ -578,7 +584,7 @@ def test_bfloat16_only_on_a_cpu_that_runs_it_natively(cpu, monkeypatch):
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"cpu_name": "Test CPU", **capabilities})
     assert common.bfloat16_unit() == unit
     assert common.cpu_name() == f"Test CPU ({unit or 'no bf16 unit'})"
-    for script in ("opt1.py", "opt2.py", "opt3.py", "opt4.py"):
+    for script in ("opt1.py", "opt2.py", *FUSED_ADAMW):
         chosen, why = ALL_SCRIPTS[script].autocast_dtype(CPU)
         assert chosen == dtype and why.startswith(str(dtype).removeprefix("torch."))
         assert (unit in why) if unit else ("no bfloat16 unit" in why)
@@ -588,11 +594,11 @@ def test_on_a_gpu_opt1_picks_float16_and_opt3_bfloat16_only_where_it_is_native(m
     gpu = torch.device("cuda", 0)
     # An Ampere or newer GPU: bfloat16 in hardware.
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
-    assert [ALL_SCRIPTS[script].autocast_dtype(gpu)[0] for script in ("opt1.py", "opt2.py", "opt3.py", "opt4.py")] \
+    assert [ALL_SCRIPTS[script].autocast_dtype(gpu)[0] for script in ("opt1.py", "opt2.py", *FUSED_ADAMW)] \
         == [torch.float16, torch.float16, torch.bfloat16, torch.bfloat16]
     # A T4 (sm_75): bfloat16 only emulated, which is_bf16_supported() counts unless told not to.
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
-    assert [ALL_SCRIPTS[script].autocast_dtype(gpu)[0] for script in ("opt3.py", "opt4.py")] == [torch.float16] * 2
+    assert [ALL_SCRIPTS[script].autocast_dtype(gpu)[0] for script in FUSED_ADAMW] == [torch.float16] * 3
 
 
 def test_opt2_loader_workers_default_to_none_on_the_cpu_and_four_with_a_gpu(monkeypatch):
@@ -631,10 +637,10 @@ def train_float16_epoch(script, model, optimizer, scaler, size=64):
 
 def shipped_adamw(script, model):
     """AdamW as `script` builds it: opt3 onwards fused, so GradScaler leaves unscaling and inf checks to the kernel."""
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, fused=script in ("opt3.py", "opt4.py"))
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, fused=script in FUSED_ADAMW)
 
 
-@pytest.mark.parametrize("script", ["opt1.py", "opt2.py", "opt3.py", "opt4.py"])
+@pytest.mark.parametrize("script", ["opt1.py", "opt2.py", "opt3.py", "opt5.py"])
 def test_float16_with_grad_scaler_learns_and_moves_the_scale(script):
     model = small_net()
     optimizer = shipped_adamw(script, model)
@@ -646,7 +652,7 @@ def test_float16_with_grad_scaler_learns_and_moves_the_scale(script):
     assert scaler.get_scale() != 2.0**8, "the loss scale never moved"
 
 
-@pytest.mark.parametrize("script", ["opt1.py", "opt2.py", "opt3.py", "opt4.py"])
+@pytest.mark.parametrize("script", ["opt1.py", "opt2.py", "opt3.py", "opt5.py"])
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step:UserWarning")  # a skipped step
 def test_a_float16_step_with_infinite_gradients_is_skipped(script):
     model = small_net()
@@ -663,27 +669,31 @@ def test_a_float16_step_with_infinite_gradients_is_skipped(script):
 
 # ------------------------------------------------------------ opt3: compiled once, no host sync
 
-@pytest.fixture(scope="module")
-def compiled_opt3_run(tmp_path_factory):
-    """opt3.main() compiled, 3 epochs, in this process; returns the dynamo counters after each epoch."""
+def compiled_run(script, flags, folder):
+    """`script`'s main() compiled, in this process; returns the dynamo counters after each epoch, and the report."""
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
     counters.clear()
     after_each_epoch, real_epoch_record = [], common.epoch_record
 
-    def epoch_record(*args):
+    def epoch_record(*args, **kwargs):
         after_each_epoch.append({"graphs": counters["stats"]["unique_graphs"],
                                  "graph_breaks": sum(counters["graph_break"].values())})
-        return real_epoch_record(*args)
+        return real_epoch_record(*args, **kwargs)
 
-    json_path = tmp_path_factory.mktemp("opt3") / "result.json"
+    json_path = folder / "result.json"
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(common, "epoch_record", epoch_record)
         # 40 test images in batches of 16: the evaluation ends on a partial batch.
-        patch.setattr(sys, "argv", ["opt3.py", *SMALL, "--epochs", "3", "--train-size", "96", "--batch-size", "16",
-                                    "--test-size", "40", "--json", str(json_path)])
-        opt3.main()
+        patch.setattr(sys, "argv", [script, *SMALL, "--train-size", "96", "--batch-size", "16", "--test-size", "40",
+                                    *flags, "--json", str(json_path)])
+        ALL_SCRIPTS[script].main()
     return after_each_epoch, read_json(json_path)
+
+
+@pytest.fixture(scope="module")
+def compiled_opt3_run(tmp_path_factory):
+    return compiled_run("opt3.py", ["--epochs", "3"], tmp_path_factory.mktemp("opt3"))
 
 
 def test_opt3_compiles_without_graph_breaks_and_never_recompiles(compiled_opt3_run):
@@ -716,7 +726,7 @@ def host_reads_in_one_epoch(script, images):
     """The host reads of one `script` train_one_epoch over `images` synthetic images, in batches of 8."""
     torch.manual_seed(0)
     model = common.ResNet10().to(memory_format=torch.channels_last)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=script in ("opt3.py", "opt4.py"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=script in FUSED_ADAMW)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-3, total_steps=100)
     dataset = common.synthetic_cifar10(images, train=True, transform=None)
     loader = DataLoader(as_tensor_dataset(dataset), batch_size=8)
@@ -726,7 +736,7 @@ def host_reads_in_one_epoch(script, images):
              scheduler=scheduler, scaler=torch.amp.GradScaler("cpu", enabled=False), amp_dtype=CPU_AMP_DTYPE,
              accum_steps=1, keep_gradients=False, batch_size=8, generator=torch.Generator().manual_seed(0),
              augment_generator=torch.Generator().manual_seed(1), rank=0, world_size=1, device=CPU, epoch=1,
-             monitor=NO_MONITOR)
+             monitor=NO_MONITOR, size=16)  # opt4 onwards: a 16x16 epoch, so downscaling is counted too
     return counter.reads
 
 
@@ -740,20 +750,20 @@ def test_the_host_read_counter_catches_baselines_reads_per_step():
     assert len(host_reads_in_one_epoch("baseline.py", 32)) > len(host_reads_in_one_epoch("baseline.py", 16)) >= 2
 
 
-@pytest.mark.parametrize("script, end_of_epoch_reads", [("opt3.py", 3), ("opt4.py", 2)])
+@pytest.mark.parametrize("script, end_of_epoch_reads", [("opt3.py", 3), ("opt4.py", 3), ("opt5.py", 2)])
 def test_opt3_reads_from_the_device_once_per_epoch_not_per_step(script, end_of_epoch_reads):
     two_steps, four_steps = host_reads_in_one_epoch(script, 16), host_reads_in_one_epoch(script, 32)
     assert len(two_steps) == len(four_steps) == end_of_epoch_reads, (two_steps, four_steps)
 
 
-# --------------------------------------------------- gradient accumulation in opt3 and opt4, one process
+# --------------------------------------------------- gradient accumulation in opt3 and opt5, one process
 
 def bn_free_net():
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 30 * 30, 10))
 
 
-@pytest.mark.parametrize("script", ["opt3.py", "opt4.py"])
+@pytest.mark.parametrize("script", ["opt3.py", "opt5.py"])
 def test_opt3_accumulating_k_micro_batches_equals_one_big_batch(script, monkeypatch):
     monkeypatch.setattr(torch, "autocast", lambda *args, **kwargs: contextlib.nullcontext())  # float32
     monkeypatch.setattr(ALL_SCRIPTS[script], "augment", lambda images, generator: images)  # crops differ per batch
@@ -768,7 +778,7 @@ def test_opt3_accumulating_k_micro_batches_equals_one_big_batch(script, monkeypa
             scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
             scaler=torch.amp.GradScaler("cpu", enabled=False), amp_dtype=torch.float32, accum_steps=accum_steps,
             keep_gradients=accum_steps > 1, batch_size=batch_size, generator=torch.Generator().manual_seed(0),
-            augment_generator=None, rank=0, world_size=1, device=CPU, epoch=1, monitor=NO_MONITOR)
+            augment_generator=None, rank=0, world_size=1, device=CPU, epoch=1, monitor=NO_MONITOR, size=32)
         return torch.nn.utils.parameters_to_vector(model.parameters()).detach(), steps, images
 
     big_batch, steps, _ = weights_after_one_epoch(12, 1)
@@ -777,6 +787,77 @@ def test_opt3_accumulating_k_micro_batches_equals_one_big_batch(script, monkeypa
     assert torch.allclose(accumulated, big_batch, atol=1e-6)
     one_step, _, _ = weights_after_one_epoch(24, 1)
     assert not torch.allclose(one_step, big_batch, atol=1e-3), "the comparison must be able to fail"
+
+# ---------------------------------------------------- opt4: progressive resizing, evaluation cadence
+
+def test_opt4_image_size_grows_from_min_size_to_32_in_steps_of_8():
+    sizes = {epochs: [opt4.image_size(epoch, epochs, 16) for epoch in range(1, epochs + 1)] for epochs in (1, 2, 5)}
+    assert sizes == {1: [32], 2: [16, 32], 5: [16, 16, 24, 24, 32]}
+    assert [opt4.image_size(epoch, 4, 8) for epoch in range(1, 5)] == [8, 16, 24, 32]
+    assert [opt4.image_size(epoch, 3, 32) for epoch in range(1, 4)] == [32, 32, 32]
+
+
+def test_opt4_downscale_averages_each_pixels_area():
+    stripes = torch.arange(32.0).remainder(2).expand(1, 3, 32, 32)  # columns 0, 1, 0, 1, ...: mean 0.5
+    for size in (16, 24):
+        small = opt4.downscale(stripes, size)
+        assert small.shape == (1, 3, size, size)
+        # Bilinear sampling would alias the stripes into a new pattern at 24x24 (0.17 to 0.83; antialiased 0.3 to 0.7).
+        assert torch.equal(small, torch.full_like(small, 0.5)), size
+    assert opt4.downscale(stripes, 32) is stripes
+
+
+class SizeRecordingResNet10(common.ResNet10):
+    """ResNet10 that records the side of every batch it sees, in training and in evaluation."""
+    seen = {"train": [], "eval": []}
+
+    def forward(self, images):
+        SizeRecordingResNet10.seen["train" if self.training else "eval"].append(images.shape[-1])
+        return super().forward(images)
+
+
+def test_opt4_trains_each_epoch_on_its_image_size_and_evaluates_all_test_images_only_at_the_end(tmp_path,
+                                                                                                   monkeypatch):
+    for images in SizeRecordingResNet10.seen.values():
+        images.clear()
+    json_path, weights = tmp_path / "result.json", tmp_path / "weights.pt"
+    monkeypatch.setattr(common, "ResNet10", SizeRecordingResNet10)
+    monkeypatch.setattr(common, "training_flops_per_image", lambda: 1.0)  # it would run a ResNet10 of its own
+    # 4 steps of 32 images per epoch; 256 test images in batches of 32, 64 of them after epochs 1 and 2
+    monkeypatch.setattr(sys, "argv", ["opt4.py", *SMALL, "--no-compile", "--epochs", "3", "--train-size", "128",
+                                      "--batch-size", "32", "--monitor-size", "64", "--json", str(json_path),
+                                      "--save", str(weights)])
+    opt4.main()
+    seen = SizeRecordingResNet10.seen
+    assert seen["train"] == [16] * 4 + [24] * 4 + [32] * 4
+    assert seen["eval"] == [32] * (2 + 2 + 8), "a 64-image subset after epochs 1 and 2, all 256 after the last"
+    report = read_json(json_path)
+    assert [epoch["image_size"] for epoch in report["epochs"]] == [16, 24, 32]
+    assert [epoch["test_images"] for epoch in report["epochs"]] == [64, 64, 256]
+    assert report["steady_images_per_second"] is None, "the speeds of 16x16 and 32x32 epochs do not add up"
+    launch = [epoch["launch_seconds"] for epoch in report["epochs"]]
+    assert 0 < launch[0] < launch[1] < launch[2] == report["launch_to_result_seconds"]
+    assert report["epochs"][-1]["train_loss"] < report["epochs"][0]["train_loss"]
+    assert_saved_weights_match_the_report(weights, report, opt4, transform=None)
+
+
+@pytest.fixture(scope="module")
+def compiled_opt4_run(tmp_path_factory):
+    # 24x24 in epochs 1 and 2, 32x32 in epoch 3
+    return compiled_run("opt4.py", ["--epochs", "3", "--min-size", "24", "--monitor-size", "32"],
+                        tmp_path_factory.mktemp("opt4"))
+
+
+def test_opt4_compiles_one_graph_per_image_size_and_never_recompiles_within_one(compiled_opt4_run):
+    after_each_epoch, report = compiled_opt4_run
+    assert [epoch["image_size"] for epoch in report["epochs"]] == [24, 24, 32]
+    assert [epoch["graph_breaks"] for epoch in after_each_epoch] == [0, 0, 0]
+    first, second, third = (epoch["graphs"] for epoch in after_each_epoch)
+    assert 2 <= first <= 3, "training at 24x24 and evaluating the 32-image subset"
+    assert second == first, "a second epoch at the same size reuses its graphs"
+    # 32x32 training, and the whole test set's partial last batch of 8
+    assert third == first + 2, after_each_epoch
+
 
 # ------------------------------------------------------------------------------------ benchmark
 
@@ -940,7 +1021,7 @@ def test_readme_figures_are_the_measured_data():
         assert f"| `{script}` | {accuracies} |" in results_page, script
 
 
-# ------------------------------------------------------------------------- opt4: DDP under torchrun
+# ------------------------------------------------------------------------- opt5: DDP under torchrun
 
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]  # for run_script
 DDP_ARGS = [*SMALL, "--epochs", "2", "--batch-size", "16", "--no-compile"]
@@ -951,9 +1032,9 @@ def checksums(stderr):
     return sorted(re.findall(r"weights checksum ([0-9a-f]{16})", stderr))
 
 
-def test_opt4_two_processes_learn_print_once_and_end_with_identical_weights(tmp_path):
+def test_opt5_two_processes_learn_print_once_and_end_with_identical_weights(tmp_path):
     json_path, weights = tmp_path / "result.json", tmp_path / "weights.pt"
-    result = run_script(*TORCHRUN, "opt4.py", *DDP_ARGS, "--train-size", 1024, "--json", json_path,
+    result = run_script(*TORCHRUN, "opt5.py", *DDP_ARGS, "--train-size", 1024, "--json", json_path,
                         "--save", weights)
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("epoch 1:") == 1 and result.stdout.count("done:") == 1
@@ -966,21 +1047,21 @@ def test_opt4_two_processes_learn_print_once_and_end_with_identical_weights(tmp_
     # Twice the global batch: the peak rate grows by the square root of 2, and OneCycleLR ends relative to it.
     assert report["final_lr"] == pytest.approx(onecycle_lr_after(2 * 1024 // 32, report["settings"]["lr"] * 2**0.5))
     assert report["final_lr"] != pytest.approx(onecycle_lr_after(2 * 1024 // 32, report["settings"]["lr"]))
-    assert_saved_weights_match_the_report(weights, report, opt4, transform=None)
+    assert_saved_weights_match_the_report(weights, report, opt5, transform=None)
 
 
-def test_opt4_without_torchrun_runs_as_one_process(tmp_path):
+def test_opt5_without_torchrun_runs_as_one_process(tmp_path):
     json_path = tmp_path / "result.json"
-    result = run_script("opt4.py", *DDP_ARGS, "--train-size", 256, "--json", json_path)
+    result = run_script("opt5.py", *DDP_ARGS, "--train-size", 256, "--json", json_path)
     assert result.returncode == 0, result.stderr
     assert "world size 1: global batch 16" in result.stdout and len(checksums(result.stderr)) == 1
     assert read_json(json_path)["world_size"] == 1
 
 
-def test_opt4_rank_shares_are_disjoint_and_cover_the_epoch():
+def test_opt5_rank_shares_are_disjoint_and_cover_the_epoch():
     def share(rank):
         generator = torch.Generator().manual_seed(0)  # every rank seeds alike
-        return opt4.epoch_batches(100, 8, generator, CPU, rank, world_size=2)
+        return opt5.epoch_batches(100, 8, generator, CPU, rank, world_size=2)
 
     first, second = share(0), share(1)
     assert first.shape == second.shape == (6, 8)
@@ -993,7 +1074,7 @@ import contextlib, json, os, sys, time
 sys.path.insert(0, {root!r})
 import torch, torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-import common, opt4
+import common, opt5
 
 rank, out = os.environ["RANK"], sys.argv.pop(1)
 record = {{"shares": [], "allreduce_at_micro_batch": [], "load": None}}
@@ -1011,9 +1092,9 @@ class BatchNormFreeNet(nn.Sequential):  # float32 and no BatchNorm: accumulation
 
 common.ResNet10 = BatchNormFreeNet
 torch.autocast = lambda *args, **kwargs: contextlib.nullcontext()
-opt4.augment = lambda images, generator: images  # crops are drawn per micro-batch: leave images as they are
+opt5.augment = lambda images, generator: images  # crops are drawn per micro-batch: leave images as they are
 
-real_epoch_batches, real_load_data, RealDDP = opt4.epoch_batches, common.load_data, opt4.DistributedDataParallel
+real_epoch_batches, real_load_data, RealDDP = opt5.epoch_batches, common.load_data, opt5.DistributedDataParallel
 
 
 def epoch_batches(*args):
@@ -1042,10 +1123,10 @@ def counting_ddp(*args, **kwargs):
     return model
 
 
-opt4.epoch_batches, common.load_data, opt4.DistributedDataParallel = epoch_batches, load_data, counting_ddp
-sys.argv[0] = "opt4.py"
+opt5.epoch_batches, common.load_data, opt5.DistributedDataParallel = epoch_batches, load_data, counting_ddp
+sys.argv[0] = "opt5.py"
 try:
-    opt4.main()
+    opt5.main()
 finally:
     with open(out + ".rank" + rank + ".json", "w") as file:
         json.dump(record, file)
@@ -1054,7 +1135,7 @@ finally:
 
 @pytest.fixture(scope="module")
 def accumulating_ddp_runs(tmp_path_factory):
-    """opt4 under torchrun on 2 CPU processes, instrumented: a batch of 12, and 3 accumulated micro-batches of 4."""
+    """opt5 under torchrun on 2 CPU processes, instrumented: a batch of 12, and 3 accumulated micro-batches of 4."""
     folder = tmp_path_factory.mktemp("ddp")
     wrapper = folder / "instrumented_rank.py"
     wrapper.write_text(INSTRUMENTED_RANK.format(root=str(ROOT)))
@@ -1071,7 +1152,7 @@ def accumulating_ddp_runs(tmp_path_factory):
     return runs
 
 
-def test_opt4_accumulating_under_ddp_equals_one_big_batch(accumulating_ddp_runs):
+def test_opt5_accumulating_under_ddp_equals_one_big_batch(accumulating_ddp_runs):
     big_batch, accumulated = accumulating_ddp_runs[1], accumulating_ddp_runs[3]
     for run in (big_batch, accumulated):
         first, second = checksums(run.result.stderr)
@@ -1082,7 +1163,7 @@ def test_opt4_accumulating_under_ddp_equals_one_big_batch(accumulating_ddp_runs)
     assert not torch.allclose(big_batch.weights["0.weight"], bn_free_net()[0].weight.detach(), atol=1e-4)
 
 
-def test_opt4_all_reduces_once_per_optimizer_step_not_per_micro_batch(accumulating_ddp_runs):
+def test_opt5_all_reduces_once_per_optimizer_step_not_per_micro_batch(accumulating_ddp_runs):
     for accum_steps, run in accumulating_ddp_runs.items():
         for rank in run.ranks:
             # DDP builds its buckets anew after the first step, so count from step 2 on.
@@ -1093,14 +1174,14 @@ def test_opt4_all_reduces_once_per_optimizer_step_not_per_micro_batch(accumulati
             assert len(set(per_step.values())) == 1, "the same buckets every step"
 
 
-def test_opt4_ranks_train_on_disjoint_shares_that_cover_the_epoch(accumulating_ddp_runs):
+def test_opt5_ranks_train_on_disjoint_shares_that_cover_the_epoch(accumulating_ddp_runs):
     for run in accumulating_ddp_runs.values():
         first, second = (rank["shares"][0] for rank in run.ranks)
         assert len(first) == len(second) == 60 and not set(first) & set(second)
         assert set(first) | set(second) == set(range(120))
 
 
-def test_opt4_the_first_rank_on_a_machine_loads_the_data_before_the_others(accumulating_ddp_runs):
+def test_opt5_the_first_rank_on_a_machine_loads_the_data_before_the_others(accumulating_ddp_runs):
     for run in accumulating_ddp_runs.values():
         (_, first_done), (second_start, _) = (rank["load"] for rank in run.ranks)
         assert second_start >= first_done, "rank 1 read the data before rank 0 had it"
@@ -1108,22 +1189,22 @@ def test_opt4_the_first_rank_on_a_machine_loads_the_data_before_the_others(accum
 FAILING_RANK = """
 import os, sys
 sys.path.insert(0, {root!r})
-import opt4
+import opt5
 
 if os.environ["RANK"] == "1":  # rank 1 dies in its third step while rank 0 waits in an all-reduce
-    calls, real_augment = [], opt4.augment
+    calls, real_augment = [], opt5.augment
     def augment(images, generator):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("injected failure on rank 1")
         return real_augment(images, generator)
-    opt4.augment = augment
-sys.argv[0] = "opt4.py"
-opt4.main()
+    opt5.augment = augment
+sys.argv[0] = "opt5.py"
+opt5.main()
 """
 
 
-def test_opt4_a_failing_rank_ends_the_whole_job_with_its_message(tmp_path):
+def test_opt5_a_failing_rank_ends_the_whole_job_with_its_message(tmp_path):
     wrapper = tmp_path / "fail_on_rank_1.py"
     wrapper.write_text(FAILING_RANK.format(root=str(ROOT)))
     start = time.monotonic()
@@ -1145,7 +1226,7 @@ GPU_ARGS = ["--synthetic", "--device", "cuda", "--epochs", "2", "--train-size", 
 
 
 @cuda_test
-@pytest.mark.parametrize("script", [*SCRIPTS, "opt4.py"])
+@pytest.mark.parametrize("script", ALL_SCRIPTS)
 def test_cuda_every_script_learns(script, tmp_path):
     json_path = tmp_path / "result.json"
     result = run_script(script, *GPU_ARGS, "--json", json_path)
@@ -1226,9 +1307,9 @@ def test_cuda_float16_with_grad_scaler_on_a_card_without_bfloat16(monkeypatch, t
 
 @cuda_test
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-def test_cuda_opt4_two_gpus_with_nccl_end_with_identical_weights(tmp_path):
+def test_cuda_opt5_two_gpus_with_nccl_end_with_identical_weights(tmp_path):
     json_path = tmp_path / "result.json"
-    result = run_script(*TORCHRUN, "opt4.py", *GPU_ARGS, "--json", json_path)
+    result = run_script(*TORCHRUN, "opt5.py", *GPU_ARGS, "--json", json_path)
     assert result.returncode == 0, result.stderr
     first, second = checksums(result.stderr)
     assert first == second and read_json(json_path)["world_size"] == 2

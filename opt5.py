@@ -1,0 +1,342 @@
+"""opt5.py: opt4.py + data parallelism over many GPUs and machines: DistributedDataParallel under torchrun.
+
+    torchrun --nproc_per_node=8 opt5.py --epochs 5    # one machine, 8 GPUs
+    torchrun --nnodes=2 --node_rank=0 --nproc_per_node=8 --rdzv_endpoint=HOST:29500 opt5.py --epochs 5
+    python opt5.py --epochs 5                          # no torchrun: one process, like opt4.py
+
+Each optimization is marked `# opt5:` where it happens; read `diff -u opt4.py opt5.py`.
+"""
+import argparse
+import contextlib
+import functools
+import hashlib
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+import common
+
+
+def parse_args():
+    # opt2: a bigger batch keeps the GPU busy with fewer, larger kernels and fewer optimizer steps
+    parser = common.build_parser(__doc__, batch_size=128, lr=8e-3)
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                        help="torch.compile the model; --no-compile runs eager (default: on)")
+    parser.add_argument("--compile-mode", default=None,
+                        choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
+                        help="reduce-overhead replays CUDA graphs; max-autotune times kernel variants for "
+                             "minutes, longer than a short run (default: reduce-overhead on CUDA, default on CPU)")
+    parser.add_argument("--accum-steps", type=common.positive_int, default=1,
+                        help="micro-batches per optimizer step; effective batch = batch size x this (default: 1)")
+    parser.add_argument("--label-smoothing", type=common.fraction, default=0.1,
+                        help="weight of the uniform target mixed into each label (default: 0.1)")
+    parser.add_argument("--min-size", type=int, default=16, choices=[8, 16, 24, 32],
+                        help="image size of the first epoch; it grows to 32 by the last (default: 16)")
+    parser.add_argument("--monitor-size", type=common.positive_int, default=1000,
+                        help="test images evaluated after each epoch but the last, which evaluates them all "
+                             "(default: 1000)")
+    args = parser.parse_args()
+    world_size = int(os.environ.get("WORLD_SIZE", 1))  # opt5: set by torchrun
+    return common.check_args(args, images_per_step=args.batch_size * args.accum_steps * world_size)
+
+
+def setup_distributed(device):
+    """(rank, world size, device): torchrun's when it started us, else (0, 1, device) and no process group."""
+    if "RANK" not in os.environ:
+        return 0, 1, device
+    if device.type == "cuda":
+        # opt5: one process per GPU; NCCL moves gradients GPU to GPU (NVLink, InfiniBand), Gloo on CPUs
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    if device.type == "cuda":
+        dist.init_process_group("nccl", device_id=device)  # opt5: names the GPU up front (barrier() warns without)
+    else:
+        dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+@contextlib.contextmanager
+def local_rank_zero_first(world_size):
+    """Runs the body on each machine's first process before its others: one download per machine, not one per rank."""
+    first = world_size == 1 or int(os.environ["LOCAL_RANK"]) == 0
+    if not first:
+        dist.barrier()  # wait until the first process has the data
+    yield
+    if first and world_size > 1:
+        dist.barrier()  # let the others read it
+
+
+def average_batchnorm_statistics(model, world_size):
+    """Average BatchNorm's running means and variances over the ranks, so every rank evaluates the same model.
+
+    Each rank's statistics follow its own share of the data. Averaging them once per evaluation
+    replaces DDP's broadcast of rank 0's before every forward (off: forward_sync_buffers=False).
+    """
+    if world_size == 1:
+        return
+    for buffer in model.buffers():
+        if buffer.is_floating_point():  # num_batches_tracked counts the same steps on every rank
+            dist.all_reduce(buffer)
+            buffer /= world_size
+
+
+def weights_checksum(model):
+    """A short hash of every parameter's and buffer's bytes: equal on all ranks when they are in step."""
+    digest = hashlib.sha256()
+    for tensor in [*model.parameters(), *model.buffers()]:
+        digest.update(tensor.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def autocast_dtype(device):
+    """The 16-bit type `device` runs natively, or float32 where it has none; and why, in words, for the log."""
+    if device.type == "cuda":
+        # opt3: bfloat16 where the GPU runs it natively (Ampere, sm_80, and newer): float32's range, so no
+        # GradScaler and no skipped steps. Not is_bf16_supported() alone: it also counts GPUs that only
+        # emulate bfloat16 (T4, sm_75), where inductor will not compile it and the model would run eager and slow
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return torch.bfloat16, "bfloat16 autocast: this GPU runs it natively, with float32's range"
+        return torch.float16, "float16 autocast: the GPU's tensor cores run it several times faster than float32"
+    unit = common.bfloat16_unit()
+    if unit is not None:
+        return torch.bfloat16, f"bfloat16 autocast: this CPU runs it natively ({unit})"
+    return torch.float32, "float32: this CPU has no bfloat16 unit, and emulated bfloat16 runs ~12x slower"
+
+
+def load_to_device(dataset, device):
+    """A dataset's images (uint8, N x 3 x 32 x 32, channels_last in memory) and labels on `device`."""
+    images = torch.as_tensor(dataset.data).permute(0, 3, 1, 2)  # the NHWC bytes are already channels_last
+    return images.to(device), torch.as_tensor(dataset.targets).to(device)
+
+
+@functools.cache
+def channel_statistics(device):
+    """CIFAR-10's per-channel mean and std in uint8 units, made on `device` once, not copied per step."""
+    statistics = torch.tensor([common.CIFAR10_MEAN, common.CIFAR10_STD], device=device) * 255
+    return statistics.view(2, 1, 3, 1, 1)
+
+
+def normalize(images):
+    """uint8 images -> float32 with zero mean and unit variance per channel."""
+    mean, std = channel_statistics(images.device)
+    return (images.float() - mean) / std
+
+
+def augment(images, generator):
+    """Per image: a random 32x32 crop of the reflect-padded image and a random horizontal flip."""
+    batch, device, pad = len(images), images.device, common.CROP_PADDING
+    padded = F.pad(images, (pad, pad, pad, pad), mode="reflect")
+    top, left = torch.randint(0, 2 * pad + 1, (2, batch, 1), device=device, generator=generator)
+    flip = torch.rand(batch, 1, device=device, generator=generator) < 0.5
+    pixels = torch.arange(32, device=device)
+    rows = top + pixels
+    columns = left + torch.where(flip, 31 - pixels, pixels)  # a flip reads the crop's columns backwards
+    # One gather for the whole batch: image i, every channel, rows[i] x columns[i].
+    image_index = torch.arange(batch, device=device).view(batch, 1, 1, 1)
+    channel_index = torch.arange(3, device=device).view(1, 3, 1, 1)
+    return padded[image_index, channel_index, rows.view(batch, 1, 32, 1), columns.view(batch, 1, 1, 32)]
+
+
+def image_size(epoch, epochs, min_size):
+    """The side of the images trained on in `epoch`: from min_size in the first to 32 in the last, in steps of 8."""
+    if epochs == 1:
+        return 32
+    return min_size + (32 - min_size) * (epoch - 1) // (epochs - 1) // 8 * 8
+
+
+def downscale(images, size):
+    """Shrink a batch of 32x32 images to size x size; each new pixel is the mean of the pixels it covers."""
+    if size == 32:
+        return images
+    return F.interpolate(images, size=(size, size), mode="area")
+
+
+def epoch_batches(size, batch_size, generator, device, rank, world_size):
+    """This rank's share of one epoch's batches, as rows of image indices.
+
+    Every rank draws the same permutation (same seed) and cuts it into global batches of
+    world_size x batch_size; rank r takes the r-th slice of each, so the shares are disjoint.
+    The few images left over change each epoch; every batch is full, so a compiled step sees one shape.
+    """
+    permutation = torch.randperm(size, device=device, generator=generator)
+    global_batch = batch_size * world_size
+    return permutation[: size // global_batch * global_batch].view(-1, world_size, batch_size)[:, rank]
+
+
+def train_one_epoch(model, train_data, criterion, optimizer, scheduler, scaler, amp_dtype, accum_steps, keep_gradients,
+                    batch_size, generator, augment_generator, rank, world_size, device, epoch, monitor, size):
+    """One pass over `train_data`; returns mean loss, accuracy, optimizer steps and images trained on."""
+    model.train()
+    all_images, all_labels = train_data
+    # opt3: batches are index slices of the on-device dataset: no loader, no workers, no copies
+    batches = epoch_batches(len(all_labels), batch_size, generator, device, rank, world_size)
+    # opt2: accumulating gradients of accum_steps micro-batches gives a big batch's step in less memory;
+    # every step gets exactly accum_steps micro-batches, so a few left over at the end are skipped
+    steps = len(batches) // accum_steps
+    # opt3: losses and correct counts stay on the device: reading them per step would wait for the GPU
+    losses = torch.zeros(steps * accum_steps, device=device)
+    correct = torch.zeros((), dtype=torch.long, device=device)
+    for micro_step, indices in enumerate(batches[: steps * accum_steps]):
+        # opt3: normalize, crop and flip the whole batch on the device; channels_last for the model
+        images = augment(normalize(all_images[indices]), augment_generator)
+        # opt4: progressive resizing: a convolution's work scales with the pixels, so a 16x16 epoch costs about a
+        # quarter of a 32x32 one; ResNet10 pools globally, so it takes any size, and the last epochs teach it 32x32
+        images = downscale(images, size).contiguous(memory_format=torch.channels_last)
+        labels = all_labels[indices]
+        step_ends = (micro_step + 1) % accum_steps == 0
+        # opt5: gradients are all-reduced once per optimizer step, not after every micro-batch
+        with contextlib.nullcontext() if step_ends or world_size == 1 else model.no_sync():
+            # opt1: autocast runs convolutions in 16-bit where it is native: half the memory traffic, tensor cores
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
+                outputs = model(images)
+                loss = criterion(outputs, labels)
+            # opt1: float16 gradients can underflow to zero; GradScaler scales the loss up, then back
+            scaler.scale(loss / accum_steps).backward()  # opt2: the mean over the effective batch
+        if step_ends:
+            scaler.step(optimizer)
+            scaler.update()
+            # opt3: zero_grad() drops the gradients (set_to_none, the default); kept ones must stay put (see main)
+            optimizer.zero_grad(set_to_none=not keep_gradients)
+            scheduler.step()
+            monitor.step()
+        losses[micro_step] = loss.detach()
+        correct += (outputs.argmax(1) == labels).sum()
+    # opt3: the one wait for the device per epoch; a non-finite loss is found here, not at its step
+    for micro_step, loss_value in enumerate(losses.tolist()):
+        common.check_finite(loss_value, epoch, micro_step // accum_steps + 1)
+    totals = torch.stack([losses.sum(), correct.to(losses.dtype), torch.tensor(float(len(losses)), device=device)])
+    if world_size > 1:
+        dist.all_reduce(totals)  # opt5: loss, accuracy and images/s count every rank's share
+    loss_sum, correct_sum, micro_batches = totals.tolist()
+    images_seen = int(micro_batches) * batch_size
+    return loss_sum / micro_batches, correct_sum / images_seen, steps, images_seen
+
+
+def evaluate(model, test_data, amp_dtype, batch_size, device):
+    """Mean loss and accuracy of `model` on `test_data`."""
+    model.eval()
+    all_images, all_labels = test_data
+    # opt3: the totals stay on the device: one read at the end, not one wait per batch
+    total_loss = torch.zeros((), device=device)
+    correct = torch.zeros((), dtype=torch.long, device=device)
+    with torch.inference_mode():  # opt2: like no_grad, and also skips autograd's version tracking
+        for start in range(0, len(all_labels), batch_size):
+            images = normalize(all_images[start:start + batch_size]).contiguous(memory_format=torch.channels_last)
+            labels = all_labels[start:start + batch_size]
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):  # opt1: 16-bit too
+                # opt3: average the logits of each image and its mirror (test-time augmentation), in one call
+                outputs = model(torch.cat([images, images.flip(3)])).view(2, len(labels), -1).mean(0)
+            total_loss += F.cross_entropy(outputs.float(), labels, reduction="sum")  # opt1: on float32 logits
+            correct += (outputs.argmax(1) == labels).sum()
+    return total_loss.item() / len(all_labels), correct.item() / len(all_labels)
+
+
+def main():
+    args = parse_args()
+    rank, world_size, device = setup_distributed(common.pick_device(args.device))
+    try:
+        train(args, rank, world_size, device)
+    finally:
+        if world_size > 1:
+            dist.destroy_process_group()  # frees the communicators, also on error (torchrun stops the other ranks)
+
+
+def train(args, rank, world_size, device):
+    if rank != 0:
+        sys.stdout = open(os.devnull, "w")  # opt5: one log: only rank 0 prints
+    common.print_settings(__file__, device, args)
+    # opt1: 16-bit math only where the hardware runs it: on a CPU without a bfloat16 unit it is emulated, and slow
+    amp_dtype, why = autocast_dtype(device)
+    print(f"precision: {why}")
+    print(f"world size {world_size}: global batch {world_size * args.batch_size * args.accum_steps} "
+          f"(--batch-size x world size x --accum-steps)")
+    torch.manual_seed(args.seed)
+
+    # opt3: the whole dataset lives on the device as uint8 (180 MB): 4x less to move than float32,
+    # and no loader, workers or host-to-device copy per step; normalize() and augment() run per batch
+    with local_rank_zero_first(world_size):  # opt5: ranks that share a machine share its one download
+        train_set, test_set = common.load_data(args, train_transform=None, test_transform=None)
+    train_data, test_data = load_to_device(train_set, device), load_to_device(test_set, device)
+    generator = torch.Generator(device).manual_seed(args.seed)  # the same permutation on every rank
+    augment_generator = torch.Generator(device).manual_seed(args.seed + rank)  # opt5: each rank its own crops
+
+    # opt1: cuDNN times its convolution algorithms once per input shape and keeps the fastest
+    torch.backends.cudnn.benchmark = True
+    # opt3: channels_last (NHWC) is the layout tensor cores and the CPU's oneDNN convolutions run fastest
+    model = common.ResNet10().to(device, memory_format=torch.channels_last)
+    if args.compile:
+        # opt1: fuses operations into fewer kernels: less memory traffic and Python overhead
+        # opt3: on CUDA, reduce-overhead replays the model's forward and backward as CUDA graphs, a launch each
+        # instead of one per kernel (the loss, augmentation and AdamW still launch their kernels one by one)
+        # opt4: dynamic=False compiles a graph for each image size; by default the second size would recompile
+        # into one graph with symbolic sizes, whose kernels are less specialized
+        model.compile(mode=args.compile_mode or ("reduce-overhead" if device.type == "cuda" else "default"),
+                      dynamic=False)
+    # opt3: accumulating under CUDA graphs needs gradients that stay put: one that backward creates lives in the
+    # graphs' memory pool, which the next micro-batch's forward overwrites; so allocate them once and zero them
+    # opt5: and under DDP, where they are views of its all-reduce buckets: set to None, every step would copy them
+    keep_gradients = args.accum_steps > 1 or world_size > 1
+    if keep_gradients:
+        for parameter in model.parameters():
+            parameter.grad = torch.zeros_like(parameter)
+    train_model = model
+    if world_size > 1:
+        # opt5: DDP averages gradients over the ranks in buckets, each sent as soon as its gradients are
+        # ready; the kept gradients are views of the buckets (no copy); no BatchNorm buffer broadcast
+        # before every forward (average_batchnorm_statistics does it once per evaluation)
+        train_model = DistributedDataParallel(
+            model, device_ids=[device] if device.type == "cuda" else None, gradient_as_bucket_view=True,
+            forward_sync_buffers=False)
+    # opt2: label smoothing keeps the logits from growing without bound: better accuracy in few epochs
+    criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
+    # opt1: AdamW adapts the step size per weight, so a fixed learning rate converges faster than SGD's
+    # opt3: fused=True updates all weights in a few kernels instead of several per tensor
+    # opt5: a world_size times larger global batch averages away noise: scale AdamW's rate by its square root
+    max_lr = args.lr * world_size ** 0.5
+    optimizer = torch.optim.AdamW(model.parameters(), lr=max_lr, weight_decay=0.05, fused=True)
+    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bfloat16 needs no scaling
+    # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a
+    # fixed rate; its length counts optimizer steps, not micro-batches
+    total_steps = args.epochs * (len(train_data[1]) // (args.batch_size * world_size) // args.accum_steps)
+    if total_steps < 5:
+        common.fail(f"{total_steps} optimizer steps in all are too few for OneCycleLR's warm-up (it needs 5); "
+                    "use more --epochs or --train-size")
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=max_lr, total_steps=total_steps, pct_start=0.25)
+
+    # opt4: after each epoch but the last, a fixed subset of the test set shows the curve at a small cost
+    # (1,000 images: about 1 % of a 32x32 epoch's work); the last epoch evaluates them all
+    monitor_data = [data[:args.monitor_size] for data in test_data]
+    records = []
+    start = common.now(device)
+    for epoch in range(1, args.epochs + 1):
+        size = image_size(epoch, args.epochs, args.min_size)
+        profile_dir = args.profile if epoch == args.epochs and rank == 0 else None
+        with common.step_monitor(epoch, profile_dir, device) as monitor:
+            epoch_start = common.now(device)
+            train_loss, train_accuracy, steps, images = train_one_epoch(
+                train_model, train_data, criterion, optimizer, scheduler, scaler, amp_dtype, args.accum_steps,
+                keep_gradients, args.batch_size, generator, augment_generator, rank, world_size, device, epoch,
+                monitor, size)
+            train_seconds = common.now(device) - epoch_start
+        average_batchnorm_statistics(model, world_size)  # opt5: every rank evaluates and saves the same model
+        evaluated = test_data if epoch == args.epochs else monitor_data
+        test_loss, test_accuracy = evaluate(model, evaluated, amp_dtype, args.batch_size, device)
+        records.append(common.epoch_record(
+            epoch, train_loss, train_accuracy, test_loss, test_accuracy, train_seconds, steps, images,
+            image_size=size, test_images=len(evaluated[1])))
+    print(f"rank {rank} of {world_size}: weights checksum {weights_checksum(model)}", file=sys.stderr)
+    if rank != 0:
+        return  # opt5: rank 0 alone writes the report, the weights and the trace
+    common.report(__file__, args, device, records, common.now(device) - start,
+                  extra={"final_lr": optimizer.param_groups[0]["lr"], "world_size": world_size})
+    if args.save:
+        torch.save(model.state_dict(), args.save)
+
+
+if __name__ == "__main__":
+    main()
