@@ -153,8 +153,8 @@ def train_one_epoch(model, train_data, criterion, optimizer, scheduler, scaler, 
     return losses.mean().item(), correct.item() / images_seen, steps, images_seen
 
 
-def evaluate(model, test_data, amp_dtype, batch_size, device):
-    """Mean loss and accuracy of `model` on `test_data`."""
+def evaluate(model, test_data, amp_dtype, batch_size, device, size):
+    """Mean loss and accuracy of `model` on `test_data`, shown at size x size."""
     model.eval()
     all_images, all_labels = test_data
     # opt3: the totals stay on the device: one read at the end, not one wait per batch
@@ -162,7 +162,9 @@ def evaluate(model, test_data, amp_dtype, batch_size, device):
     correct = torch.zeros((), dtype=torch.long, device=device)
     with torch.inference_mode():  # opt2: like no_grad, and also skips autograd's version tracking
         for start in range(0, len(all_labels), batch_size):
-            images = normalize(all_images[start:start + batch_size]).contiguous(memory_format=torch.channels_last)
+            images = normalize(all_images[start:start + batch_size])
+            # opt4: at the size just trained on: its BatchNorm statistics are of images that size
+            images = downscale(images, size).contiguous(memory_format=torch.channels_last)
             labels = all_labels[start:start + batch_size]
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):  # opt1: 16-bit too
                 # opt3: average the logits of each image and its mirror (test-time augmentation), in one call
@@ -233,7 +235,7 @@ def main():
                 keep_gradients, args.batch_size, generator, device, epoch, monitor, size)
             train_seconds = common.now(device) - epoch_start
         evaluated = test_data if epoch == args.epochs else monitor_data
-        test_loss, test_accuracy = evaluate(model, evaluated, amp_dtype, args.batch_size, device)
+        test_loss, test_accuracy = evaluate(model, evaluated, amp_dtype, args.batch_size, device, size)
         records.append(common.epoch_record(
             epoch, train_loss, train_accuracy, test_loss, test_accuracy, train_seconds, steps, images,
             image_size=size, test_images=len(evaluated[1])))

@@ -61,7 +61,7 @@ def script_evaluate(module, model, dataset):
     loader = DataLoader(dataset, batch_size=64)
     test_data = opt3.load_to_device(dataset, CPU)
     return call(module.evaluate, model=model, loader=loader, test_data=test_data, batch_size=64,
-                amp_dtype=CPU_AMP_DTYPE, device=CPU)
+                amp_dtype=CPU_AMP_DTYPE, device=CPU, size=32)
 
 
 def read_json(path):
@@ -563,7 +563,7 @@ def test_the_test_loss_is_computed_on_float32_logits(script, monkeypatch):
     loader = DataLoader(dataset, batch_size=16)
     call(ALL_SCRIPTS[script].evaluate, model=model, loader=loader, test_data=opt3.load_to_device(
         common.synthetic_cifar10(32, train=False, transform=None), CPU), batch_size=16, amp_dtype=torch.bfloat16,
-        device=CPU)
+        device=CPU, size=32)
     assert losses_on == [torch.float32, torch.float32]
 
 
@@ -595,7 +595,7 @@ def test_on_a_gpu_opt1_picks_float16_and_opt3_bfloat16_only_where_it_is_native(m
     # An Ampere or newer GPU: bfloat16 in hardware.
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     assert [ALL_SCRIPTS[script].autocast_dtype(gpu)[0] for script in ("opt1.py", "opt2.py", *FUSED_ADAMW)] \
-        == [torch.float16, torch.float16, torch.bfloat16, torch.bfloat16]
+        == [torch.float16, torch.float16, torch.bfloat16, torch.bfloat16, torch.bfloat16]
     # A T4 (sm_75): bfloat16 only emulated, which is_bf16_supported() counts unless told not to.
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
     assert [ALL_SCRIPTS[script].autocast_dtype(gpu)[0] for script in FUSED_ADAMW] == [torch.float16] * 3
@@ -621,18 +621,18 @@ def small_net():
                          nn.AdaptiveAvgPool2d(8), nn.Flatten(), nn.Linear(16 * 64, 10))
 
 
-def train_float16_epoch(script, model, optimizer, scaler, size=64):
+def train_float16_epoch(script, model, optimizer, scaler, images=64):
     """One epoch of `script`'s own train_one_epoch in float16 with `scaler`, as a GPU without bfloat16 runs it."""
     torch.manual_seed(0)
-    loader = DataLoader(common.synthetic_cifar10(size, train=True, transform=common.normalized_transform()),
+    loader = DataLoader(common.synthetic_cifar10(images, train=True, transform=common.normalized_transform()),
                         batch_size=16, shuffle=True)
-    train_data = opt3.load_to_device(common.synthetic_cifar10(size, train=True, transform=None), CPU)
+    train_data = opt3.load_to_device(common.synthetic_cifar10(images, train=True, transform=None), CPU)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     return call(ALL_SCRIPTS[script].train_one_epoch, model=model, loader=loader, train_data=train_data,
                 criterion=nn.CrossEntropyLoss(), optimizer=optimizer, scheduler=scheduler, scaler=scaler,
                 amp_dtype=torch.float16, accum_steps=1, keep_gradients=False, batch_size=16,
                 generator=torch.Generator().manual_seed(0), augment_generator=torch.Generator().manual_seed(1),
-                rank=0, world_size=1, device=CPU, epoch=1, monitor=NO_MONITOR)
+                rank=0, world_size=1, device=CPU, epoch=1, monitor=NO_MONITOR, size=32)
 
 
 def shipped_adamw(script, model):
@@ -660,7 +660,7 @@ def test_a_float16_step_with_infinite_gradients_is_skipped(script):
     optimizer = shipped_adamw(script, model)
     # A scale of 2^100 overflows every float16 gradient: each step's gradients hold inf.
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**100)
-    _, _, steps, _ = train_float16_epoch(script, model, optimizer, scaler, size=32)
+    _, _, steps, _ = train_float16_epoch(script, model, optimizer, scaler, images=32)
     assert steps == 2
     after = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
     assert torch.equal(after, before), "a step with inf gradients reached the weights"
@@ -830,7 +830,8 @@ def test_opt4_trains_each_epoch_on_its_image_size_and_evaluates_all_test_images_
     opt4.main()
     seen = SizeRecordingResNet10.seen
     assert seen["train"] == [16] * 4 + [24] * 4 + [32] * 4
-    assert seen["eval"] == [32] * (2 + 2 + 8), "a 64-image subset after epochs 1 and 2, all 256 after the last"
+    # A 64-image subset at the size just trained on after epochs 1 and 2, all 256 at 32x32 after the last
+    assert seen["eval"] == [16] * 2 + [24] * 2 + [32] * 8
     report = read_json(json_path)
     assert [epoch["image_size"] for epoch in report["epochs"]] == [16, 24, 32]
     assert [epoch["test_images"] for epoch in report["epochs"]] == [64, 64, 256]
@@ -853,10 +854,10 @@ def test_opt4_compiles_one_graph_per_image_size_and_never_recompiles_within_one(
     assert [epoch["image_size"] for epoch in report["epochs"]] == [24, 24, 32]
     assert [epoch["graph_breaks"] for epoch in after_each_epoch] == [0, 0, 0]
     first, second, third = (epoch["graphs"] for epoch in after_each_epoch)
-    assert 2 <= first <= 3, "training at 24x24 and evaluating the 32-image subset"
+    assert first == 2, "training at 24x24 and evaluating the 32-image subset at 24x24"
     assert second == first, "a second epoch at the same size reuses its graphs"
-    # 32x32 training, and the whole test set's partial last batch of 8
-    assert third == first + 2, after_each_epoch
+    # 32x32 training and evaluation, and the whole test set's partial last batch of 8
+    assert third == first + 3, after_each_epoch
 
 
 # ------------------------------------------------------------------------------------ benchmark
@@ -920,7 +921,9 @@ def test_benchmark_rejects_one_epoch():
 # ------------------------------------------------------------------------------------ plot.py
 
 def write_plot_fixture(folder):
-    """Two scripts' real-data reports and a ladder summary, as the scripts and benchmark.py write them."""
+    """Real-data reports, a ladder summary and timed opt3/opt4 runs, as the scripts and benchmark.py write them.
+
+    Returns plot.py's flags that read them."""
     def run(script, accuracies):
         epochs = [{"epoch": epoch, "test_accuracy": accuracy, "train_seconds": 60.0}
                   for epoch, accuracy in enumerate(accuracies, start=1)]
@@ -932,28 +935,39 @@ def write_plot_fixture(folder):
              "warmup_seconds": 0.5, "peak_memory_gib": 1.0, "percent_of_bf16_peak": speed * 1.5e9 / 1.2e12 * 100}
             for name, speed in [("baseline", 100.0), ("opt3", 300.0)]]
     ladder = {"benchmark": "ladder", "bf16_peak_tflops": 1.2, "rows": rows}
-    (folder / "runs.jsonl").write_text("".join(json.dumps(line) + "\n" for line in runs))
-    (folder / "ladder.jsonl").write_text(json.dumps(ladder) + "\n")
+
+    def timed_run(script, flags, sizes, launch_minutes, accuracy):
+        epochs = [{"epoch": epoch, "test_accuracy": accuracy, "launch_seconds": 60 * minutes, "image_size": size}
+                  for epoch, (size, minutes) in enumerate(zip(sizes, launch_minutes), start=1)]
+        return {"script": script, "data": "cifar10", "cpu": "Test CPU (AMX)", "final_test_accuracy": accuracy,
+                "command": f"python {script} {flags} --data-dir /tmp/cifar10 --json results/convergence.jsonl",
+                "launch_to_result_seconds": epochs[-1]["launch_seconds"], "epochs": epochs}
+
+    convergence = [timed_run("opt3.py", "--epochs 2", [32, 32], [10.0, 20.0], 0.8),
+                   timed_run("opt3.py", "--epochs 2 --seed 1", [32, 32], [11.0, 22.0], 0.8),
+                   timed_run("opt4.py", "--epochs 2 --seed 1", [16, 32], [4.0, 10.5], 0.825)]
+    for name, lines in (("runs", runs), ("ladder", [ladder]), ("convergence", convergence)):
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return ["--runs", folder / "runs.jsonl", "--ladder", folder / "ladder.jsonl",
+            "--convergence", folder / "convergence.jsonl"]
 
 
 def test_plot_draws_the_figure_from_json_lines(tmp_path):
     pytest.importorskip("matplotlib", reason="plot.py needs matplotlib (pip install -r requirements.txt)")
-    write_plot_fixture(tmp_path)
+    data = write_plot_fixture(tmp_path)
     out = tmp_path / "figure.png"
-    result = run_script("plot.py", "--runs", tmp_path / "runs.jsonl", "--ladder", tmp_path / "ladder.jsonl",
-                        "--out", out)
+    result = run_script("plot.py", *data, "--out", out)
     assert result.returncode == 0, result.stderr
     assert out.read_bytes().startswith(b"\x89PNG") and 10_000 < out.stat().st_size < 200_000
 
 
 def test_plot_draws_and_tables_a_ladder_from_a_cpu_without_a_bfloat16_unit(tmp_path):
     pytest.importorskip("matplotlib", reason="plot.py needs matplotlib (pip install -r requirements.txt)")
-    write_plot_fixture(tmp_path)
+    data = write_plot_fixture(tmp_path)
     ladder = json.loads((tmp_path / "ladder.jsonl").read_text())
     ladder.update(bf16_peak_tflops=None, float32_peak_tflops=0.18)  # what benchmark.py writes on such a CPU
     ladder["rows"] = [{**row, "percent_of_bf16_peak": None} for row in ladder["rows"]]
     (tmp_path / "ladder.jsonl").write_text(json.dumps(ladder) + "\n")
-    data = ["--runs", tmp_path / "runs.jsonl", "--ladder", tmp_path / "ladder.jsonl"]
     tables = run_script("plot.py", "--tables", *data)
     assert tables.returncode == 0, tables.stderr
     assert "| opt3 | 300 | 1000.0 | 0.5 | 1.00 | 0.450 | n/a |" in tables.stdout
@@ -961,20 +975,21 @@ def test_plot_draws_and_tables_a_ladder_from_a_cpu_without_a_bfloat16_unit(tmp_p
 
 
 def test_plot_tables_print_the_latest_real_data_run_of_each_script(tmp_path):
-    write_plot_fixture(tmp_path)
-    result = run_script("plot.py", "--tables", "--runs", tmp_path / "runs.jsonl", "--ladder", tmp_path / "ladder.jsonl")
+    result = run_script("plot.py", "--tables", *write_plot_fixture(tmp_path))
     assert result.returncode == 0, result.stderr
     assert "| `baseline.py` | 40.0 | 50.0 | 2.0 | 100 |" in result.stdout
     assert "| `opt3.py` | 60.0 | 80.0 | 2.0 | 100 |" in result.stdout  # the synthetic run is not the data
     assert "| opt3 | 300 | 1000.0 | 0.5 | 1.00 | 0.450 | 38 |" in result.stdout
+    # Each timed run against the mean of opt3's (21 minutes); the flags without the data and JSON paths
+    assert "| `opt3.py` | `--epochs 2` | 32, 32 | 80.0 | 20.0 | 95% |" in result.stdout
+    assert "| `opt4.py` | `--epochs 2 --seed 1` | 16, 32 | 82.5 | 10.5 | 50% |" in result.stdout
 
 
 def test_plot_without_matplotlib_says_how_to_install_it(tmp_path):
-    write_plot_fixture(tmp_path)
+    data = write_plot_fixture(tmp_path)
     hide_matplotlib = "import runpy, sys; sys.modules['matplotlib'] = None; sys.argv = sys.argv[1:]; " \
                       "runpy.run_path('plot.py', run_name='__main__')"
-    result = run_script("-c", hide_matplotlib, "plot.py", "--runs", tmp_path / "runs.jsonl",
-                        "--ladder", tmp_path / "ladder.jsonl", "--out", tmp_path / "figure.png")
+    result = run_script("-c", hide_matplotlib, "plot.py", *data, "--out", tmp_path / "figure.png")
     assert result.returncode == 2 and result.stderr.count("\n") == 1
     assert "pip install matplotlib" in result.stderr
 
