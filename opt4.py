@@ -1,11 +1,12 @@
-"""opt4.py: opt3.py + fewer steps to the same accuracy: progressive resizing (early epochs on
+"""opt4.py: opt3.py + less work for the same accuracy: progressive resizing (early epochs on
 smaller images) and a small test subset after each epoch, the whole test set only at the end.
 
     python opt4.py --epochs 5               # CIFAR-10 in ./data, downloaded if missing
     python opt4.py --synthetic --epochs 2   # no download: measures speed only
 
-opt1-opt3 make each step faster; opt4 makes the run need less work. Each optimization is marked
-`# opt4:` where it happens; read `diff -u opt3.py opt4.py`.
+opt1-opt3 make each step faster; opt4 makes the run need less work, judged by the time from launch
+to the final accuracy (every epoch records it). Each optimization is marked `# opt4:` where it
+happens; read `diff -u opt3.py opt4.py`.
 """
 import argparse
 import functools
