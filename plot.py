@@ -124,8 +124,9 @@ def draw(runs, ladder, convergence, out):
         minutes = [record["launch_seconds"] / 60 for record in run["epochs"]]
         accuracy = [100 * record["test_accuracy"] for record in run["epochs"]]
         time_axis.plot(minutes, accuracy, marker="o", label=f"{run['script']} {flags(run)}")
-    time_axis.set(title=f"opt4 against opt3 on {convergence[0]['cpu']}", xlabel="minutes since launch",
-                  ylabel="test accuracy % (opt4 before its last epoch: 1,000 images)")
+    time_axis.set_title(f"Accuracy against minutes since launch, {convergence[0]['cpu']}\n"
+                        "(opt4 before its last epoch: a 1,000-image subset)", fontsize=9)
+    time_axis.set(xlabel="minutes since launch", ylabel="test accuracy %")
     for axis in (accuracy_axis, time_axis):
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
@@ -149,7 +150,8 @@ def draw(runs, ladder, convergence, out):
     speed_axis.legend(fontsize=8, loc="upper left")
     first = runs[0]
     machine = f"{first['cpu']}, {first['threads']} threads" if first["device"] == "cpu" else first["device_name"]
-    figure.suptitle(f"fast-cifar: ResNet10, torch {first['torch']}; left and middle: {machine}", fontsize=10)
+    figure.suptitle(f"fast-cifar: ResNet10, torch {first['torch']}; left and middle: {machine}", fontsize=10,
+                    y=0.995)
     figure.tight_layout()
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out)

@@ -29,6 +29,7 @@ import opt2
 import opt3
 import opt4
 import opt5
+import plot
 
 ROOT = Path(__file__).resolve().parent
 SCRIPTS = {"baseline.py": baseline, "opt1.py": opt1, "opt2.py": opt2, "opt3.py": opt3}
@@ -1021,8 +1022,9 @@ def test_readme_figures_are_the_measured_data():
     assert f"float32 {bf16_ladder['float32_peak_tflops']:.2f})" in readme
     assert float32_ladder["bf16_peak_tflops"] is None and "no bf16 unit" in float32_ladder["machine"]
     assert f"(float32 peak {float32_ladder['float32_peak_tflops']:.2f} TFLOP/s)" in readme
-    rows = {cells[0].strip("` "): [cell.strip() for cell in cells]
-            for cells in (line.split("|")[1:-1] for line in readme.splitlines() if line.startswith("| `"))}
+    rows = {cells[0].strip("` "): [cell.strip() for cell in cells]  # the chain table's rows: 8 cells
+            for cells in (line.split("|")[1:-1] for line in readme.splitlines() if line.startswith("| `"))
+            if len(cells) == 8}
     for script, rung in README_RUNG.items():
         bf16_speed, bf16_speedup, float32_speed, float32_speedup, accuracy = rows[script][-5:]
         for speeds, speed, speedup in ((bf16_speeds, bf16_speed, bf16_speedup),
@@ -1034,6 +1036,12 @@ def test_readme_figures_are_the_measured_data():
     for script, run in runs.items():
         accuracies = " | ".join(f"{100 * epoch['test_accuracy']:.1f}" for epoch in run["epochs"])
         assert f"| `{script}` | {accuracies} |" in results_page, script
+    # The convergence table, on both pages, is plot.py's from the timed runs (launch-to-result minutes).
+    convergence = plot.convergence_runs(json_lines("convergence.jsonl"))
+    table = plot.markdown_tables(list(runs.values()), bf16_ladder, convergence).split("\n\n")[-1]
+    assert {run["script"] for run in convergence} == {"opt3.py", "opt4.py"}
+    for line in table.splitlines():
+        assert line in readme and line in results_page, line
 
 
 # ------------------------------------------------------------------------- opt5: DDP under torchrun
