@@ -74,11 +74,11 @@ def read_json(path):
 # ------------------------------------------------------------------------- end to end, per script
 
 LEARN_ARGS = {
-    "baseline.py": ["--batch-size", "32", "--train-size", "1024"],
-    "opt1.py": ["--batch-size", "32", "--train-size", "1024", "--no-compile"],
+    "baseline.py": ["--batch-size", "32", "--train-size", "512"],
+    "opt1.py": ["--batch-size", "32", "--train-size", "512", "--no-compile"],
     # The one compiled run: it also proves saved weights carry no torch.compile prefix.
-    "opt2.py": ["--batch-size", "32", "--train-size", "1024", "--workers", "2"],
-    "opt3.py": ["--batch-size", "32", "--train-size", "1024", "--no-compile"],
+    "opt2.py": ["--batch-size", "32", "--train-size", "512", "--workers", "2"],
+    "opt3.py": ["--batch-size", "32", "--train-size", "512", "--no-compile"],
 }
 EVAL_TRANSFORM = {"baseline.py": common.plain_transform, "opt1.py": common.plain_transform,
                   "opt2.py": common.normalized_transform, "opt3.py": None}
@@ -322,7 +322,7 @@ def test_onecycle_length_counts_optimizer_steps(script, accum_steps, tmp_path):
     json_path = tmp_path / "result.json"
     workers = ["--workers", 0] if script == "opt2.py" else []
     # 10 batches per epoch: not divisible by 3, so micro-batches and optimizer steps differ.
-    result = run_script(script, *SMALL, "--epochs", 2, "--train-size", 160, "--batch-size", 16,
+    result = run_script(script, *SMALL, "--epochs", 2, "--train-size", 160, "--test-size", 16, "--batch-size", 16,
                         "--accum-steps", accum_steps, "--no-compile", *workers, "--json", json_path)
     assert result.returncode == 0, result.stderr
     report = read_json(json_path)
