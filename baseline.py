@@ -5,6 +5,8 @@
 
 Every later script is this one plus its own optimizations: read `diff -u baseline.py opt1.py`.
 """
+from types import SimpleNamespace
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -19,18 +21,18 @@ def parse_args():
     return common.check_args(args, images_per_step=args.batch_size)
 
 
-def train_one_epoch(model, loader, criterion, optimizer, device, epoch, monitor):
+def train_one_epoch(run, loader, epoch, monitor):
     """One pass over `loader`; returns mean loss, accuracy, optimizer steps and images trained on."""
-    model.train()
+    run.model.train()
     total_loss, correct, images_seen = 0.0, 0, 0
     for step, (images, labels) in enumerate(loader, start=1):
-        images, labels = images.to(device), labels.to(device)
-        outputs = model(images)
-        loss = criterion(outputs, labels)
+        images, labels = images.to(run.device), labels.to(run.device)
+        outputs = run.model(images)
+        loss = run.criterion(outputs, labels)
         common.check_finite(loss.item(), epoch, step)
         loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        run.optimizer.step()
+        run.optimizer.zero_grad()
         monitor.step()
         total_loss += loss.item() * len(labels)
         correct += (outputs.argmax(1) == labels).sum().item()
@@ -38,14 +40,14 @@ def train_one_epoch(model, loader, criterion, optimizer, device, epoch, monitor)
     return total_loss / images_seen, correct / images_seen, step, images_seen
 
 
-def evaluate(model, loader, device):
-    """Mean loss and accuracy of `model` on `loader`."""
-    model.eval()
+def evaluate(run, loader):
+    """Mean loss and accuracy of the model on `loader`."""
+    run.model.eval()
     total_loss, correct = 0.0, 0
     with torch.no_grad():
         for images, labels in loader:
-            images, labels = images.to(device), labels.to(device)
-            outputs = model(images)
+            images, labels = images.to(run.device), labels.to(run.device)
+            outputs = run.model(images)
             total_loss += F.cross_entropy(outputs, labels, reduction="sum").item()
             correct += (outputs.argmax(1) == labels).sum().item()
     return total_loss / len(loader.dataset), correct / len(loader.dataset)
@@ -65,18 +67,24 @@ def main():
     model = common.ResNet10().to(device)
     criterion = nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
+    # What the functions above need besides their data, in one object (a setting is read as run.args.name)
+    run = SimpleNamespace(
+        args=args,
+        device=device,
+        model=model,
+        criterion=criterion,
+        optimizer=optimizer,
+    )
 
     records = []
     start = common.now(device)
     for epoch in range(1, args.epochs + 1):
         with common.step_monitor(epoch, args.profile if epoch == args.epochs else None, device) as monitor:
             epoch_start = common.now(device)
-            train_loss, train_accuracy, steps, images = train_one_epoch(
-                model, train_loader, criterion, optimizer, device, epoch, monitor)
+            train_figures = train_one_epoch(run, train_loader, epoch, monitor)
             train_seconds = common.now(device) - epoch_start
-        test_loss, test_accuracy = evaluate(model, test_loader, device)
-        records.append(common.epoch_record(
-            epoch, train_loss, train_accuracy, test_loss, test_accuracy, train_seconds, steps, images))
+        test_figures = evaluate(run, test_loader)
+        common.record_epoch(records, train_figures, test_figures, train_seconds)
     common.report(__file__, args, device, records, common.now(device) - start,
                   extra={"final_lr": optimizer.param_groups[0]["lr"]})
     if args.save:

@@ -380,14 +380,16 @@ def shown(value, spec):
     return "n/a" if value is None else format(value, spec)
 
 
-def epoch_record(epoch, train_loss, train_accuracy, test_loss, test_accuracy, train_seconds, steps, images,
-                 image_size=None, test_images=None):
-    """One epoch's figures as a dict; also prints them as one line.
+def record_epoch(records, train, test, train_seconds, image_size=None, test_images=None):
+    """Append one epoch's figures to `records` as a dict, and print them as one line.
 
-    `image_size` and `test_images` are for scripts that train on smaller images or evaluate part of the test set.
+    `train` is what train_one_epoch returns (loss, accuracy, optimizer steps, images), `test` what evaluate
+    returns (loss, accuracy). `image_size` and `test_images` are for scripts that train on smaller images or
+    evaluate part of the test set. The first epoch at each image size includes compiling and warming up for it.
     """
+    (train_loss, train_accuracy, steps, images), (test_loss, test_accuracy) = train, test
     record = {
-        "epoch": epoch,
+        "epoch": len(records) + 1,
         "train_loss": train_loss,
         "train_accuracy": train_accuracy,
         "test_loss": test_loss,
@@ -399,19 +401,20 @@ def epoch_record(epoch, train_loss, train_accuracy, test_loss, test_accuracy, tr
         "images": images,
         "launch_seconds": seconds_since_launch(),  # the test accuracy is known this long after the launch
     }
-    size = test = ""
+    size_note = test_note = ""
     if image_size is not None:
         record["image_size"] = image_size
-        size = f" ({image_size}x{image_size})"
+        size_note = f" ({image_size}x{image_size})"
     if test_images is not None:
         record["test_images"] = test_images
-        test = f" ({test_images} images)"
-    note = "  (includes compile/warm-up)" if epoch == 1 else ""
-    print(f"epoch {epoch}: train{size} loss {train_loss:.4f} acc {100 * train_accuracy:.2f}% | "
-          f"test{test} loss {test_loss:.4f} acc {100 * test_accuracy:.2f}% | "
+        test_note = f" ({test_images} images)"
+    first_at_its_size = all(earlier.get("image_size") != image_size for earlier in records)
+    note = "  (includes compile/warm-up)" if first_at_its_size else ""
+    print(f"epoch {record['epoch']}: train{size_note} loss {train_loss:.4f} acc {100 * train_accuracy:.2f}% | "
+          f"test{test_note} loss {test_loss:.4f} acc {100 * test_accuracy:.2f}% | "
           f"{train_seconds:.1f} s, {record['images_per_second']:.0f} img/s, "
           f"{record['ms_per_step']:.1f} ms/step | {record['launch_seconds']:.0f} s since launch{note}", flush=True)
-    return record
+    records.append(record)
 
 
 def summarize(records, total_seconds, peak_memory, flops_per_image):

@@ -6,6 +6,7 @@
 Each optimization is marked `# opt1:` where it happens; read `diff -u baseline.py opt1.py`.
 """
 import argparse
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
@@ -34,22 +35,22 @@ def autocast_dtype(device):
     return torch.float32, "float32: this CPU has no bfloat16 unit, and emulated bfloat16 runs ~12x slower"
 
 
-def train_one_epoch(model, loader, criterion, optimizer, scaler, amp_dtype, device, epoch, monitor):
+def train_one_epoch(run, loader, epoch, monitor):
     """One pass over `loader`; returns mean loss, accuracy, optimizer steps and images trained on."""
-    model.train()
+    run.model.train()
     total_loss, correct, images_seen = 0.0, 0, 0
     for step, (images, labels) in enumerate(loader, start=1):
-        images, labels = images.to(device), labels.to(device)
+        images, labels = images.to(run.device), labels.to(run.device)
         # opt1: autocast runs convolutions in 16-bit where it is native: half the memory traffic, tensor cores
-        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
-            outputs = model(images)
-            loss = criterion(outputs, labels)
+        with torch.autocast(run.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32):
+            outputs = run.model(images)
+            loss = run.criterion(outputs, labels)
         common.check_finite(loss.item(), epoch, step)
         # opt1: float16 gradients can underflow to zero; GradScaler scales the loss up, then back
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad()
+        run.scaler.scale(loss).backward()
+        run.scaler.step(run.optimizer)
+        run.scaler.update()
+        run.optimizer.zero_grad()
         monitor.step()
         total_loss += loss.item() * len(labels)
         correct += (outputs.argmax(1) == labels).sum().item()
@@ -57,15 +58,16 @@ def train_one_epoch(model, loader, criterion, optimizer, scaler, amp_dtype, devi
     return total_loss / images_seen, correct / images_seen, step, images_seen
 
 
-def evaluate(model, loader, amp_dtype, device):
-    """Mean loss and accuracy of `model` on `loader`."""
-    model.eval()
+def evaluate(run, loader):
+    """Mean loss and accuracy of the model on `loader`."""
+    run.model.eval()
     total_loss, correct = 0.0, 0
     with torch.no_grad():
         for images, labels in loader:
-            images, labels = images.to(device), labels.to(device)
-            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):  # opt1: 16-bit too
-                outputs = model(images)
+            images, labels = images.to(run.device), labels.to(run.device)
+            # opt1: 16-bit here too
+            with torch.autocast(run.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32):
+                outputs = run.model(images)
             total_loss += F.cross_entropy(outputs.float(), labels, reduction="sum").item()  # opt1: on float32 logits
             correct += (outputs.argmax(1) == labels).sum().item()
     return total_loss / len(loader.dataset), correct / len(loader.dataset)
@@ -94,18 +96,26 @@ def main():
     # opt1: AdamW adapts the step size per weight, so a fixed learning rate converges faster than SGD's
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.05)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bfloat16 needs no scaling
+    # What the functions above need besides their data, in one object (a setting is read as run.args.name)
+    run = SimpleNamespace(
+        args=args,
+        device=device,
+        amp_dtype=amp_dtype,
+        model=model,
+        criterion=criterion,
+        optimizer=optimizer,
+        scaler=scaler,
+    )
 
     records = []
     start = common.now(device)
     for epoch in range(1, args.epochs + 1):
         with common.step_monitor(epoch, args.profile if epoch == args.epochs else None, device) as monitor:
             epoch_start = common.now(device)
-            train_loss, train_accuracy, steps, images = train_one_epoch(
-                model, train_loader, criterion, optimizer, scaler, amp_dtype, device, epoch, monitor)
+            train_figures = train_one_epoch(run, train_loader, epoch, monitor)
             train_seconds = common.now(device) - epoch_start
-        test_loss, test_accuracy = evaluate(model, test_loader, amp_dtype, device)
-        records.append(common.epoch_record(
-            epoch, train_loss, train_accuracy, test_loss, test_accuracy, train_seconds, steps, images))
+        test_figures = evaluate(run, test_loader)
+        common.record_epoch(records, train_figures, test_figures, train_seconds)
     common.report(__file__, args, device, records, common.now(device) - start,
                   extra={"final_lr": optimizer.param_groups[0]["lr"]})
     if args.save:

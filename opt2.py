@@ -9,6 +9,7 @@ Each optimization is marked `# opt2:` where it happens; read `diff -u opt1.py op
 import argparse
 import itertools
 import os
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
@@ -50,31 +51,31 @@ def default_workers(device):
     return min(4, os.cpu_count()) if device.type == "cuda" else 0
 
 
-def train_one_epoch(model, loader, criterion, optimizer, scheduler, scaler, amp_dtype, accum_steps, device,
-                    epoch, monitor):
+def train_one_epoch(run, loader, epoch, monitor):
     """One pass over `loader`; returns mean loss, accuracy, optimizer steps and images trained on."""
-    model.train()
+    run.model.train()
     total_loss, correct, images_seen = 0.0, 0, 0
     # opt2: accumulating gradients of accum_steps micro-batches gives a big batch's step in less memory;
     # every step gets exactly accum_steps micro-batches, so a few left over at the end are skipped
+    accum_steps = run.args.accum_steps
     steps = len(loader) // accum_steps
     for micro_step, (images, labels) in enumerate(itertools.islice(loader, steps * accum_steps)):
         step = micro_step // accum_steps + 1
         # opt2: a copy from pinned memory is queued on the GPU's stream and the host goes on at once (without
         # pinning it waits while the bytes are staged); the copy still runs before the kernels queued after it
-        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        images, labels = images.to(run.device, non_blocking=True), labels.to(run.device, non_blocking=True)
         # opt1: autocast runs convolutions in 16-bit where it is native: half the memory traffic, tensor cores
-        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
-            outputs = model(images)
-            loss = criterion(outputs, labels)
+        with torch.autocast(run.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32):
+            outputs = run.model(images)
+            loss = run.criterion(outputs, labels)
         common.check_finite(loss.item(), epoch, step)
         # opt1: float16 gradients can underflow to zero; GradScaler scales the loss up, then back
-        scaler.scale(loss / accum_steps).backward()  # opt2: the mean over the effective batch
+        run.scaler.scale(loss / accum_steps).backward()  # opt2: the mean over the effective batch
         if (micro_step + 1) % accum_steps == 0:
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad()
-            scheduler.step()
+            run.scaler.step(run.optimizer)
+            run.scaler.update()
+            run.optimizer.zero_grad()
+            run.scheduler.step()
             monitor.step()
         total_loss += loss.item() * len(labels)
         correct += (outputs.argmax(1) == labels).sum().item()
@@ -82,15 +83,16 @@ def train_one_epoch(model, loader, criterion, optimizer, scheduler, scaler, amp_
     return total_loss / images_seen, correct / images_seen, step, images_seen
 
 
-def evaluate(model, loader, amp_dtype, device):
-    """Mean loss and accuracy of `model` on `loader`."""
-    model.eval()
+def evaluate(run, loader):
+    """Mean loss and accuracy of the model on `loader`."""
+    run.model.eval()
     total_loss, correct = 0.0, 0
     with torch.inference_mode():  # opt2: like no_grad, and also skips autograd's version tracking
         for images, labels in loader:
-            images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):  # opt1: 16-bit too
-                outputs = model(images)
+            images, labels = images.to(run.device, non_blocking=True), labels.to(run.device, non_blocking=True)
+            # opt1: 16-bit here too
+            with torch.autocast(run.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32):
+                outputs = run.model(images)
             total_loss += F.cross_entropy(outputs.float(), labels, reduction="sum").item()  # opt1: on float32 logits
             correct += (outputs.argmax(1) == labels).sum().item()
     return total_loss / len(loader.dataset), correct / len(loader.dataset)
@@ -134,19 +136,27 @@ def main():
         common.fail(f"{total_steps} optimizer steps in all are too few for OneCycleLR's warm-up (it needs 5); "
                     "use more --epochs or --train-size")
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total_steps, pct_start=0.25)
+    # What the functions above need besides their data, in one object (a setting is read as run.args.name)
+    run = SimpleNamespace(
+        args=args,
+        device=device,
+        amp_dtype=amp_dtype,
+        model=model,
+        criterion=criterion,
+        optimizer=optimizer,
+        scaler=scaler,
+        scheduler=scheduler,
+    )
 
     records = []
     start = common.now(device)
     for epoch in range(1, args.epochs + 1):
         with common.step_monitor(epoch, args.profile if epoch == args.epochs else None, device) as monitor:
             epoch_start = common.now(device)
-            train_loss, train_accuracy, steps, images = train_one_epoch(
-                model, train_loader, criterion, optimizer, scheduler, scaler, amp_dtype, args.accum_steps, device,
-                epoch, monitor)
+            train_figures = train_one_epoch(run, train_loader, epoch, monitor)
             train_seconds = common.now(device) - epoch_start
-        test_loss, test_accuracy = evaluate(model, test_loader, amp_dtype, device)
-        records.append(common.epoch_record(
-            epoch, train_loss, train_accuracy, test_loss, test_accuracy, train_seconds, steps, images))
+        test_figures = evaluate(run, test_loader)
+        common.record_epoch(records, train_figures, test_figures, train_seconds)
     common.report(__file__, args, device, records, common.now(device) - start,
                   extra={"final_lr": optimizer.param_groups[0]["lr"]})
     if args.save:

@@ -9,6 +9,7 @@ Each optimization is marked `# opt3:` where it happens; read `diff -u opt2.py op
 """
 import argparse
 import functools
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
@@ -92,59 +93,61 @@ def epoch_batches(size, batch_size, generator, device):
     return permutation[: size // batch_size * batch_size].view(-1, batch_size)
 
 
-def train_one_epoch(model, train_data, criterion, optimizer, scheduler, scaler, amp_dtype, accum_steps, keep_gradients,
-                    batch_size, generator, device, epoch, monitor):
+def train_one_epoch(run, train_data, epoch, monitor):
     """One pass over `train_data`; returns mean loss, accuracy, optimizer steps and images trained on."""
-    model.train()
+    run.model.train()
     all_images, all_labels = train_data
     # opt3: batches are index slices of the on-device dataset: no loader, no workers, no copies
-    batches = epoch_batches(len(all_labels), batch_size, generator, device)
+    batches = epoch_batches(len(all_labels), run.args.batch_size, run.generator, run.device)
     # opt2: accumulating gradients of accum_steps micro-batches gives a big batch's step in less memory;
     # every step gets exactly accum_steps micro-batches, so a few left over at the end are skipped
+    accum_steps = run.args.accum_steps
     steps = len(batches) // accum_steps
     # opt3: losses and correct counts stay on the device: reading them per step would wait for the GPU
-    losses = torch.zeros(steps * accum_steps, device=device)
-    correct = torch.zeros((), dtype=torch.long, device=device)
+    losses = torch.zeros(steps * accum_steps, device=run.device)
+    correct = torch.zeros((), dtype=torch.long, device=run.device)
     for micro_step, indices in enumerate(batches[: steps * accum_steps]):
         # opt3: normalize, crop and flip the whole batch on the device; channels_last for the model
-        images = augment(normalize(all_images[indices]), generator).contiguous(memory_format=torch.channels_last)
+        images = augment(normalize(all_images[indices]), run.generator).contiguous(memory_format=torch.channels_last)
         labels = all_labels[indices]
         # opt1: autocast runs convolutions in 16-bit where it is native: half the memory traffic, tensor cores
-        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
-            outputs = model(images)
-            loss = criterion(outputs, labels)
+        with torch.autocast(run.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32):
+            outputs = run.model(images)
+            loss = run.criterion(outputs, labels)
         # opt1: float16 gradients can underflow to zero; GradScaler scales the loss up, then back
-        scaler.scale(loss / accum_steps).backward()  # opt2: the mean over the effective batch
+        run.scaler.scale(loss / accum_steps).backward()  # opt2: the mean over the effective batch
         if (micro_step + 1) % accum_steps == 0:
-            scaler.step(optimizer)
-            scaler.update()
+            run.scaler.step(run.optimizer)
+            run.scaler.update()
             # opt3: zero_grad() drops the gradients (set_to_none, the default); kept ones must stay put (see main)
-            optimizer.zero_grad(set_to_none=not keep_gradients)
-            scheduler.step()
+            run.optimizer.zero_grad(set_to_none=not run.keep_gradients)
+            run.scheduler.step()
             monitor.step()
         losses[micro_step] = loss.detach()
         correct += (outputs.argmax(1) == labels).sum()
     # opt3: the one wait for the device per epoch; a non-finite loss is found here, not at its step
     for micro_step, loss_value in enumerate(losses.tolist()):
         common.check_finite(loss_value, epoch, micro_step // accum_steps + 1)
-    images_seen = len(losses) * batch_size
+    images_seen = len(losses) * run.args.batch_size
     return losses.mean().item(), correct.item() / images_seen, steps, images_seen
 
 
-def evaluate(model, test_data, amp_dtype, batch_size, device):
-    """Mean loss and accuracy of `model` on `test_data`."""
-    model.eval()
+def evaluate(run, test_data):
+    """Mean loss and accuracy of the model on `test_data`."""
+    run.model.eval()
     all_images, all_labels = test_data
+    batch_size = run.args.batch_size
     # opt3: the totals stay on the device: one read at the end, not one wait per batch
-    total_loss = torch.zeros((), device=device)
-    correct = torch.zeros((), dtype=torch.long, device=device)
+    total_loss = torch.zeros((), device=run.device)
+    correct = torch.zeros((), dtype=torch.long, device=run.device)
     with torch.inference_mode():  # opt2: like no_grad, and also skips autograd's version tracking
         for start in range(0, len(all_labels), batch_size):
             images = normalize(all_images[start:start + batch_size]).contiguous(memory_format=torch.channels_last)
             labels = all_labels[start:start + batch_size]
-            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):  # opt1: 16-bit too
+            # opt1: 16-bit here too
+            with torch.autocast(run.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32):
                 # opt3: average the logits of each image and its mirror (test-time augmentation), in one call
-                outputs = model(torch.cat([images, images.flip(3)])).view(2, len(labels), -1).mean(0)
+                outputs = run.model(torch.cat([images, images.flip(3)])).view(2, len(labels), -1).mean(0)
             total_loss += F.cross_entropy(outputs.float(), labels, reduction="sum")  # opt1: on float32 logits
             correct += (outputs.argmax(1) == labels).sum()
     return total_loss.item() / len(all_labels), correct.item() / len(all_labels)
@@ -193,19 +196,29 @@ def main():
         common.fail(f"{total_steps} optimizer steps in all are too few for OneCycleLR's warm-up (it needs 5); "
                     "use more --epochs or --train-size")
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total_steps, pct_start=0.25)
+    # What the functions above need besides their data, in one object (a setting is read as run.args.name)
+    run = SimpleNamespace(
+        args=args,
+        device=device,
+        amp_dtype=amp_dtype,
+        model=model,
+        criterion=criterion,
+        optimizer=optimizer,
+        scaler=scaler,
+        scheduler=scheduler,
+        keep_gradients=keep_gradients,
+        generator=generator,
+    )
 
     records = []
     start = common.now(device)
     for epoch in range(1, args.epochs + 1):
         with common.step_monitor(epoch, args.profile if epoch == args.epochs else None, device) as monitor:
             epoch_start = common.now(device)
-            train_loss, train_accuracy, steps, images = train_one_epoch(
-                model, train_data, criterion, optimizer, scheduler, scaler, amp_dtype, args.accum_steps,
-                keep_gradients, args.batch_size, generator, device, epoch, monitor)
+            train_figures = train_one_epoch(run, train_data, epoch, monitor)
             train_seconds = common.now(device) - epoch_start
-        test_loss, test_accuracy = evaluate(model, test_data, amp_dtype, args.batch_size, device)
-        records.append(common.epoch_record(
-            epoch, train_loss, train_accuracy, test_loss, test_accuracy, train_seconds, steps, images))
+        test_figures = evaluate(run, test_data)
+        common.record_epoch(records, train_figures, test_figures, train_seconds)
     common.report(__file__, args, device, records, common.now(device) - start,
                   extra={"final_lr": optimizer.param_groups[0]["lr"]})
     if args.save:

@@ -12,6 +12,7 @@ import functools
 import hashlib
 import os
 import sys
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -168,62 +169,63 @@ def epoch_batches(size, batch_size, generator, device, rank, world_size):
     return permutation[: size // global_batch * global_batch].view(-1, world_size, batch_size)[:, rank]
 
 
-def train_one_epoch(model, train_data, criterion, optimizer, scheduler, scaler, amp_dtype, accum_steps, keep_gradients,
-                    batch_size, generator, augment_generator, rank, world_size, device, epoch, monitor, size):
+def train_one_epoch(run, train_data, epoch, monitor, size):
     """One pass over `train_data`; returns mean loss, accuracy, optimizer steps and images trained on."""
-    model.train()
+    run.model.train()
     all_images, all_labels = train_data
     # opt3: batches are index slices of the on-device dataset: no loader, no workers, no copies
-    batches = epoch_batches(len(all_labels), batch_size, generator, device, rank, world_size)
+    batches = epoch_batches(len(all_labels), run.args.batch_size, run.generator, run.device, run.rank, run.world_size)
     # opt2: accumulating gradients of accum_steps micro-batches gives a big batch's step in less memory;
     # every step gets exactly accum_steps micro-batches, so a few left over at the end are skipped
+    accum_steps = run.args.accum_steps
     steps = len(batches) // accum_steps
     # opt3: losses and correct counts stay on the device: reading them per step would wait for the GPU
-    losses = torch.zeros(steps * accum_steps, device=device)
-    correct = torch.zeros((), dtype=torch.long, device=device)
+    losses = torch.zeros(steps * accum_steps, device=run.device)
+    correct = torch.zeros((), dtype=torch.long, device=run.device)
     for micro_step, indices in enumerate(batches[: steps * accum_steps]):
         # opt3: normalize, crop and flip the whole batch on the device; channels_last for the model
-        images = augment(normalize(all_images[indices]), augment_generator)
+        images = augment(normalize(all_images[indices]), run.augment_generator)
         # opt4: progressive resizing: a convolution's work scales with the pixels, so a 16x16 epoch costs about a
         # quarter of a 32x32 one; ResNet10 pools globally, so it takes any size, and the last epochs teach it 32x32
         images = downscale(images, size).contiguous(memory_format=torch.channels_last)
         labels = all_labels[indices]
         step_ends = (micro_step + 1) % accum_steps == 0
         # opt5: gradients are all-reduced once per optimizer step, not after every micro-batch
-        with contextlib.nullcontext() if step_ends or world_size == 1 else model.no_sync():
+        with contextlib.nullcontext() if step_ends or run.world_size == 1 else run.model.no_sync():
             # opt1: autocast runs convolutions in 16-bit where it is native: half the memory traffic, tensor cores
-            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
-                outputs = model(images)
-                loss = criterion(outputs, labels)
+            with torch.autocast(run.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32):
+                outputs = run.model(images)
+                loss = run.criterion(outputs, labels)
             # opt1: float16 gradients can underflow to zero; GradScaler scales the loss up, then back
-            scaler.scale(loss / accum_steps).backward()  # opt2: the mean over the effective batch
+            run.scaler.scale(loss / accum_steps).backward()  # opt2: the mean over the effective batch
         if step_ends:
-            scaler.step(optimizer)
-            scaler.update()
+            run.scaler.step(run.optimizer)
+            run.scaler.update()
             # opt3: zero_grad() drops the gradients (set_to_none, the default); kept ones must stay put (see main)
-            optimizer.zero_grad(set_to_none=not keep_gradients)
-            scheduler.step()
+            run.optimizer.zero_grad(set_to_none=not run.keep_gradients)
+            run.scheduler.step()
             monitor.step()
         losses[micro_step] = loss.detach()
         correct += (outputs.argmax(1) == labels).sum()
     # opt3: the one wait for the device per epoch; a non-finite loss is found here, not at its step
     for micro_step, loss_value in enumerate(losses.tolist()):
         common.check_finite(loss_value, epoch, micro_step // accum_steps + 1)
-    totals = torch.stack([losses.sum(), correct.to(losses.dtype), torch.tensor(float(len(losses)), device=device)])
-    if world_size > 1:
+    totals = torch.stack([losses.sum(), correct.to(losses.dtype), torch.tensor(float(len(losses)), device=run.device)])
+    if run.world_size > 1:
         dist.all_reduce(totals)  # opt5: loss, accuracy and images/s count every rank's share
     loss_sum, correct_sum, micro_batches = totals.tolist()
-    images_seen = int(micro_batches) * batch_size
+    images_seen = int(micro_batches) * run.args.batch_size
     return loss_sum / micro_batches, correct_sum / images_seen, steps, images_seen
 
 
-def evaluate(model, test_data, amp_dtype, batch_size, device, size):
-    """Mean loss and accuracy of `model` on `test_data`, shown at size x size."""
-    model.eval()
+def evaluate(run, test_data, size):
+    """Mean loss and accuracy of the model on `test_data`, shown at size x size."""
+    run.model.eval()
     all_images, all_labels = test_data
+    batch_size = run.args.batch_size
     # opt3: the totals stay on the device: one read at the end, not one wait per batch
-    total_loss = torch.zeros((), device=device)
-    correct = torch.zeros((), dtype=torch.long, device=device)
+    total_loss = torch.zeros((), device=run.device)
+    correct = torch.zeros((), dtype=torch.long, device=run.device)
     with torch.inference_mode():  # opt2: like no_grad, and also skips autograd's version tracking
         for start in range(0, len(all_labels), batch_size):
             images = normalize(all_images[start:start + batch_size])
@@ -233,9 +235,10 @@ def evaluate(model, test_data, amp_dtype, batch_size, device, size):
             # opt4: at the size just trained on: its BatchNorm statistics are of images that size
             images = downscale(images, size).contiguous(memory_format=torch.channels_last)
             labels = all_labels[start:start + batch_size]
-            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):  # opt1: 16-bit too
+            # opt1: 16-bit here too
+            with torch.autocast(run.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32):
                 # opt3: average the logits of each image and its mirror (test-time augmentation), in one call
-                outputs = model(torch.cat([images, images.flip(3)])).view(2, batch_size, -1).mean(0)[:len(labels)]
+                outputs = run.model(torch.cat([images, images.flip(3)])).view(2, batch_size, -1).mean(0)[:len(labels)]
             total_loss += F.cross_entropy(outputs.float(), labels, reduction="sum")  # opt1: on float32 logits
             correct += (outputs.argmax(1) == labels).sum()
     return total_loss.item() / len(all_labels), correct.item() / len(all_labels)
@@ -312,6 +315,22 @@ def train(args, rank, world_size, device):
         common.fail(f"{total_steps} optimizer steps in all are too few for OneCycleLR's warm-up (it needs 5); "
                     "use more --epochs or --train-size")
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=max_lr, total_steps=total_steps, pct_start=0.25)
+    # What the functions above need besides their data, in one object (a setting is read as run.args.name)
+    run = SimpleNamespace(
+        args=args,
+        device=device,
+        amp_dtype=amp_dtype,
+        model=train_model,  # opt5: DDP's wrapper when distributed
+        criterion=criterion,
+        optimizer=optimizer,
+        scaler=scaler,
+        scheduler=scheduler,
+        keep_gradients=keep_gradients,
+        generator=generator,
+        augment_generator=augment_generator,
+        rank=rank,
+        world_size=world_size,
+    )
 
     # opt4: after each epoch but the last, a fixed subset of the test set shows the curve at a small cost
     # (1,000 images: about 1 % of a 32x32 epoch's work); the last epoch evaluates them all
@@ -323,17 +342,13 @@ def train(args, rank, world_size, device):
         profile_dir = args.profile if epoch == args.epochs and rank == 0 else None
         with common.step_monitor(epoch, profile_dir, device) as monitor:
             epoch_start = common.now(device)
-            train_loss, train_accuracy, steps, images = train_one_epoch(
-                train_model, train_data, criterion, optimizer, scheduler, scaler, amp_dtype, args.accum_steps,
-                keep_gradients, args.batch_size, generator, augment_generator, rank, world_size, device, epoch,
-                monitor, size)
+            train_figures = train_one_epoch(run, train_data, epoch, monitor, size)
             train_seconds = common.now(device) - epoch_start
         average_batchnorm_statistics(model, world_size)  # opt5: every rank evaluates and saves the same model
         evaluated = test_data if epoch == args.epochs else monitor_data
-        test_loss, test_accuracy = evaluate(model, evaluated, amp_dtype, args.batch_size, device, size)
-        records.append(common.epoch_record(
-            epoch, train_loss, train_accuracy, test_loss, test_accuracy, train_seconds, steps, images,
-            image_size=size, test_images=len(evaluated[1])))
+        test_figures = evaluate(run, evaluated, size)
+        common.record_epoch(records, train_figures, test_figures, train_seconds, image_size=size,
+                            test_images=len(evaluated[1]))
     print(f"rank {rank} of {world_size}: weights checksum {weights_checksum(model)}", file=sys.stderr)
     if rank != 0:
         return  # opt5: rank 0 alone writes the report, the weights and the trace

@@ -2,6 +2,7 @@
 import collections
 import contextlib
 import inspect
+import io
 import json
 import os
 import pickle
@@ -52,7 +53,13 @@ def run_script(*args, timeout=600):
 
 
 def call(function, **available):
-    """Call a script's function with the arguments its signature names (they differ along the chain)."""
+    """Call a script's function with the arguments its signature names (they differ along the chain).
+
+    `run`, the object main() gathers what the functions need in, is made of everything `available`, with
+    `batch_size` and `accum_steps` as its settings (run.args).
+    """
+    args = SimpleNamespace(batch_size=available.get("batch_size"), accum_steps=available.get("accum_steps"))
+    available["run"] = SimpleNamespace(args=args, **available)
     names = inspect.signature(function).parameters
     return function(**{name: available[name] for name in names})
 
@@ -139,6 +146,16 @@ def test_help_documents_every_flag_with_its_default(script):
         assert flag in result.stdout
     help_texts = result.stdout.split("options:")[1].split("\n  -")[2:]  # skip -h
     assert all("default" in text for text in help_texts), help_texts
+
+
+@pytest.mark.parametrize("module", [*ALL_SCRIPTS.values(), common], ids=[*ALL_SCRIPTS, "common.py"])
+def test_no_function_takes_more_than_six_parameters(module):
+    # Settings reach train_one_epoch and evaluate as one object, `run`: a signature names what the function works on.
+    functions = [value for value in vars(module).values()
+                 if inspect.isfunction(value) and value.__module__ == module.__name__]
+    parameters = {function.__name__: len(inspect.signature(function).parameters) for function in functions}
+    assert "train_one_epoch" in parameters or module is common
+    assert {name: count for name, count in parameters.items() if count > 6} == {}
 
 
 def test_settings_line_shows_zero_and_off_values(capsys):
@@ -292,9 +309,11 @@ def accumulated_weights(batch_size, accum_steps, monkeypatch):
     data = TensorDataset(torch.randn(24, 3, 32, 32), torch.randint(0, 10, (24,)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    _, _, steps, images = opt2.train_one_epoch(
-        model, DataLoader(data, batch_size=batch_size), nn.CrossEntropyLoss(), optimizer, scheduler,
-        torch.amp.GradScaler("cpu", enabled=False), torch.float32, accum_steps, CPU, 1, NO_MONITOR)
+    _, _, steps, images = call(
+        opt2.train_one_epoch, model=model, loader=DataLoader(data, batch_size=batch_size),
+        criterion=nn.CrossEntropyLoss(), optimizer=optimizer, scheduler=scheduler,
+        scaler=torch.amp.GradScaler("cpu", enabled=False), amp_dtype=torch.float32, accum_steps=accum_steps,
+        device=CPU, epoch=1, monitor=NO_MONITOR)
     return torch.nn.utils.parameters_to_vector(model.parameters()).detach(), steps, images
 
 
@@ -471,7 +490,8 @@ def test_opt3_flip_tta_equals_plain_evaluation_on_mirror_symmetric_images(monkey
             return torch.nn.functional.cross_entropy(model(opt3.normalize(images)), labels).item()
 
     def tta_loss(images):
-        loss, _ = opt3.evaluate(model, (images, labels), torch.float32, 8, CPU)
+        loss, _ = call(opt3.evaluate, model=model, test_data=(images, labels), amp_dtype=torch.float32, batch_size=8,
+                       device=CPU)
         return loss
 
     assert tta_loss(symmetric) == pytest.approx(plain_loss(symmetric), rel=1e-5)
@@ -671,20 +691,23 @@ def test_a_float16_step_with_infinite_gradients_is_skipped(script):
 # ------------------------------------------------------------ opt3: compiled once, no host sync
 
 def compiled_run(script, flags, folder):
-    """`script`'s main() compiled, in this process; returns the dynamo counters after each epoch, and the report."""
+    """`script`'s main() compiled, in this process; returns the dynamo counters and the line printed after each
+    epoch, and the report."""
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
     counters.clear()
-    after_each_epoch, real_epoch_record = [], common.epoch_record
+    after_each_epoch, real_record_epoch = [], common.record_epoch
 
-    def epoch_record(*args, **kwargs):
+    def record_epoch(*args, **kwargs):
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            real_record_epoch(*args, **kwargs)
         after_each_epoch.append({"graphs": counters["stats"]["unique_graphs"],
-                                 "graph_breaks": sum(counters["graph_break"].values())})
-        return real_epoch_record(*args, **kwargs)
+                                 "graph_breaks": sum(counters["graph_break"].values()), "line": printed.getvalue()})
 
     json_path = folder / "result.json"
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(common, "epoch_record", epoch_record)
+        patch.setattr(common, "record_epoch", record_epoch)
         # 40 test images in batches of 16: the evaluation ends on a partial batch.
         patch.setattr(sys, "argv", [script, *SMALL, "--train-size", "96", "--batch-size", "16", "--test-size", "40",
                                     *flags, "--json", str(json_path)])
@@ -861,6 +884,9 @@ def test_opt4_compiles_two_graphs_per_image_size_and_stays_under_the_recompile_l
     graphs = [epoch["graphs"] for epoch in after_each_epoch]
     assert graphs == [2, 2, 4, 4, 6, 6, 8], graphs
     assert graphs[-1] <= torch._dynamo.config.recompile_limit
+    # Each epoch that compiled says so, not only the first.
+    warm_up = ["(includes compile/warm-up)" in epoch["line"] for epoch in after_each_epoch]
+    assert warm_up == [True, False, True, False, True, False, True], warm_up
 
 
 # ------------------------------------------------------------------------------------ benchmark
