@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node=8 opt5.py --epochs 5    # one machine, 8 GPUs
     torchrun --nnodes=2 --node_rank=0 --nproc_per_node=8 --rdzv_endpoint=HOST:29500 opt5.py --epochs 5
+    torchrun --nproc_per_node=2 opt5.py --synthetic --epochs 2   # no download: measures speed only
     python opt5.py --epochs 5                          # no torchrun: one process, like opt4.py
 
 Each optimization is marked `# opt5:` where it happens; read `diff -u opt4.py opt5.py`.
@@ -9,7 +10,6 @@ Each optimization is marked `# opt5:` where it happens; read `diff -u opt4.py op
 import argparse
 import contextlib
 import functools
-import hashlib
 import os
 import sys
 from types import SimpleNamespace
@@ -42,20 +42,31 @@ def parse_args():
                         help="test images evaluated after each epoch but the last, which evaluates them all "
                              "(default: 1000)")
     args = parser.parse_args()
-    world_size = int(os.environ.get("WORLD_SIZE", 1))  # opt5: set by torchrun
+    world_size = int(os.environ["WORLD_SIZE"]) if started_by_torchrun() else 1  # opt5: processes in the job
     return common.check_args(args, images_per_step=args.batch_size * args.accum_steps * world_size)
+
+
+def started_by_torchrun():
+    """Whether torchrun started this process; exit 2 when only some of the variables it sets are there."""
+    ranks = [name for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE") if name in os.environ]
+    missing = [name for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+               if name not in os.environ]
+    if ranks and missing:
+        common.fail(f"{', '.join(ranks)} set but not {', '.join(missing)}: start opt5.py with torchrun, which sets "
+                    f"them all (srun does not), or unset {', '.join(ranks)} to run one process")
+    return bool(ranks)
 
 
 def setup_distributed(device):
     """(rank, world size, device): torchrun's when it started us, else (0, 1, device) and no process group."""
-    if "RANK" not in os.environ:
+    if not started_by_torchrun():
         return 0, 1, device
     if device.type == "cuda":
-        # opt5: one process per GPU; NCCL moves gradients GPU to GPU (NVLink, InfiniBand), Gloo on CPUs
+        # opt5: one process per GPU; NCCL moves gradients GPU to GPU (NVLink, InfiniBand), Gloo on CPUs;
+        # naming the GPU up front binds the communicator to it (barrier() warns without)
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
-    if device.type == "cuda":
-        dist.init_process_group("nccl", device_id=device)  # opt5: names the GPU up front (barrier() warns without)
+        dist.init_process_group("nccl", device_id=device)
     else:
         dist.init_process_group("gloo")
     return dist.get_rank(), dist.get_world_size(), device
@@ -86,12 +97,9 @@ def average_batchnorm_statistics(model, world_size):
             buffer /= world_size
 
 
-def weights_checksum(model):
-    """A short hash of every parameter's and buffer's bytes: equal on all ranks when they are in step."""
-    digest = hashlib.sha256()
-    for tensor in [*model.parameters(), *model.buffers()]:
-        digest.update(tensor.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()[:16]
+def rank_slice(size, rank, world_size):
+    """This rank's part of `size` items split into world_size consecutive, disjoint parts of near-equal size."""
+    return slice(rank * size // world_size, (rank + 1) * size // world_size)
 
 
 def autocast_dtype(device):
@@ -189,16 +197,15 @@ def train_one_epoch(run, train_data, epoch, monitor, size):
         # quarter of a 32x32 one; ResNet10 pools globally, so it takes any size, and the last epochs teach it 32x32
         images = downscale(images, size).contiguous(memory_format=torch.channels_last)
         labels = all_labels[indices]
-        step_ends = (micro_step + 1) % accum_steps == 0
-        # opt5: gradients are all-reduced once per optimizer step, not after every micro-batch
-        with contextlib.nullcontext() if step_ends or run.world_size == 1 else run.model.no_sync():
-            # opt1: autocast runs convolutions in 16-bit where it is native: half the memory traffic, tensor cores
-            with torch.autocast(run.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32):
-                outputs = run.model(images)
-                loss = run.criterion(outputs, labels)
-            # opt1: float16 gradients can underflow to zero; GradScaler scales the loss up, then back
-            run.scaler.scale(loss / accum_steps).backward()  # opt2: the mean over the effective batch
-        if step_ends:
+        # opt5: DDP all-reduces the gradients in the backward of a step's last micro-batch only (as no_sync() does)
+        run.model.require_backward_grad_sync = (micro_step + 1) % accum_steps == 0
+        # opt1: autocast runs convolutions in 16-bit where it is native: half the memory traffic, tensor cores
+        with torch.autocast(run.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32):
+            outputs = run.model(images)
+            loss = run.criterion(outputs, labels)
+        # opt1: float16 gradients can underflow to zero; GradScaler scales the loss up, then back
+        run.scaler.scale(loss / accum_steps).backward()  # opt2: the mean over the effective batch
+        if (micro_step + 1) % accum_steps == 0:
             run.scaler.step(run.optimizer)
             run.scaler.update()
             # opt3: zero_grad() drops the gradients (set_to_none, the default); kept ones must stay put (see main)
@@ -221,7 +228,9 @@ def train_one_epoch(run, train_data, epoch, monitor, size):
 def evaluate(run, test_data, size):
     """Mean loss and accuracy of the model on `test_data`, shown at size x size."""
     run.model.eval()
-    all_images, all_labels = test_data
+    test_size = len(test_data[1])
+    # opt5: each rank evaluates its own slice of the test set; the slices' sums are added up at the end
+    all_images, all_labels = (data[rank_slice(test_size, run.rank, run.world_size)] for data in test_data)
     batch_size = run.args.batch_size
     # opt3: the totals stay on the device: one read at the end, not one wait per batch
     total_loss = torch.zeros((), device=run.device)
@@ -241,7 +250,11 @@ def evaluate(run, test_data, size):
                 outputs = run.model(torch.cat([images, images.flip(3)])).view(2, batch_size, -1).mean(0)[:len(labels)]
             total_loss += F.cross_entropy(outputs.float(), labels, reduction="sum")  # opt1: on float32 logits
             correct += (outputs.argmax(1) == labels).sum()
-    return total_loss.item() / len(all_labels), correct.item() / len(all_labels)
+    totals = torch.stack([total_loss, correct.to(total_loss.dtype)])
+    if run.world_size > 1:
+        dist.all_reduce(totals)  # opt5: the whole test set's loss and correct count
+    loss_sum, correct_sum = totals.tolist()
+    return loss_sum / test_size, correct_sum / test_size
 
 
 def main():
@@ -304,7 +317,8 @@ def train(args, rank, world_size, device):
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     # opt1: AdamW adapts the step size per weight, so a fixed learning rate converges faster than SGD's
     # opt3: fused=True updates all weights in a few kernels instead of several per tensor
-    # opt5: a world_size times larger global batch averages away noise: scale AdamW's rate by its square root
+    # opt5: --lr is the rate for one process's step of --batch-size x --accum-steps images, as in opt4; world_size
+    # processes make the global batch world_size times larger, averaging away noise: scale the rate by its square root
     max_lr = args.lr * world_size ** 0.5
     optimizer = torch.optim.AdamW(model.parameters(), lr=max_lr, weight_decay=0.05, fused=True)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bfloat16 needs no scaling
@@ -320,7 +334,7 @@ def train(args, rank, world_size, device):
         args=args,
         device=device,
         amp_dtype=amp_dtype,
-        model=train_model,  # opt5: DDP's wrapper when distributed
+        model=train_model,  # opt5: DDP's wrapper when distributed; without autograd (evaluate) it sends nothing
         criterion=criterion,
         optimizer=optimizer,
         scaler=scaler,
@@ -349,7 +363,6 @@ def train(args, rank, world_size, device):
         test_figures = evaluate(run, evaluated, size)
         common.record_epoch(records, train_figures, test_figures, train_seconds, image_size=size,
                             test_images=len(evaluated[1]))
-    print(f"rank {rank} of {world_size}: weights checksum {weights_checksum(model)}", file=sys.stderr)
     if rank != 0:
         return  # opt5: rank 0 alone writes the report, the weights and the trace
     common.report(__file__, args, device, records, common.now(device) - start,

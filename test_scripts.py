@@ -1,6 +1,7 @@
 """Tests for the fast-cifar scripts. CPU only, tiny data, no network: `python -m pytest -q`."""
 import collections
 import contextlib
+import hashlib
 import inspect
 import io
 import json
@@ -45,9 +46,10 @@ NO_MONITOR = SimpleNamespace(step=lambda: None)  # what common.step_monitor yiel
 CPU_AMP_DTYPE = opt1.autocast_dtype(CPU)[0]
 
 
-def run_script(*args, timeout=600):
-    """Run `python args...` in a fresh process, offline; returns the CompletedProcess."""
-    env = {**os.environ, **NO_NETWORK}
+def run_script(*args, timeout=600, env=None):
+    """Run `python args...` in a fresh process, offline, with `env` added to the environment; returns the
+    CompletedProcess."""
+    env = {**os.environ, **NO_NETWORK, **(env or {})}
     return subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -56,10 +58,10 @@ def call(function, **available):
     """Call a script's function with the arguments its signature names (they differ along the chain).
 
     `run`, the object main() gathers what the functions need in, is made of everything `available`, with
-    `batch_size` and `accum_steps` as its settings (run.args).
+    `batch_size` and `accum_steps` as its settings (run.args); opt5 runs as one process unless told otherwise.
     """
     args = SimpleNamespace(batch_size=available.get("batch_size"), accum_steps=available.get("accum_steps"))
-    available["run"] = SimpleNamespace(args=args, **available)
+    available["run"] = SimpleNamespace(args=args, **{"rank": 0, "world_size": 1, **available})
     names = inspect.signature(function).parameters
     return function(**{name: available[name] for name in names})
 
@@ -1078,15 +1080,45 @@ TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 DDP_ARGS = [*SMALL, "--epochs", "2", "--batch-size", "16", "--no-compile"]
 
 
+# Run after opt5.main() in a rank's process: a short hash of the bytes of every parameter and buffer of the model
+# it evaluated last, on stderr. The ranks are in step when their hashes are equal.
+PRINT_WEIGHTS_CHECKSUM = """
+import hashlib
+digest = hashlib.sha256()
+for tensor in [*evaluated_models[-1].parameters(), *evaluated_models[-1].buffers()]:
+    digest.update(tensor.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+print(f"rank {{os.environ.get('RANK', 0)}}: weights checksum {{digest.hexdigest()[:16]}}", file=sys.stderr)
+"""
+
+CHECKSUM_RANK = """
+import os, sys
+sys.path.insert(0, {root!r})
+import torch
+import opt5
+
+evaluated_models, real_evaluate = [], opt5.evaluate
+
+
+def evaluate(run, *args):
+    evaluated_models.append(run.model)
+    return real_evaluate(run, *args)
+
+
+opt5.evaluate = evaluate
+sys.argv[0] = "opt5.py"
+opt5.main()
+""" + PRINT_WEIGHTS_CHECKSUM
+
+
 def checksums(stderr):
     # Found anywhere, not per line: two ranks writing to stderr at once can share a line.
     return sorted(re.findall(r"weights checksum ([0-9a-f]{16})", stderr))
 
 
 def test_opt5_two_processes_learn_print_once_and_end_with_identical_weights(tmp_path):
-    json_path, weights = tmp_path / "result.json", tmp_path / "weights.pt"
-    result = run_script(*TORCHRUN, "opt5.py", *DDP_ARGS, "--train-size", 1024, "--json", json_path,
-                        "--save", weights)
+    json_path, weights, wrapper = tmp_path / "result.json", tmp_path / "weights.pt", tmp_path / "checksum_rank.py"
+    wrapper.write_text(CHECKSUM_RANK.format(root=str(ROOT)))
+    result = run_script(*TORCHRUN, wrapper, *DDP_ARGS, "--train-size", 1024, "--json", json_path, "--save", weights)
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("epoch 1:") == 1 and result.stdout.count("done:") == 1
     assert "world size 2: global batch 32" in result.stdout
@@ -1105,8 +1137,20 @@ def test_opt5_without_torchrun_runs_as_one_process(tmp_path):
     json_path = tmp_path / "result.json"
     result = run_script("opt5.py", *DDP_ARGS, "--train-size", 256, "--json", json_path)
     assert result.returncode == 0, result.stderr
-    assert "world size 1: global batch 16" in result.stdout and len(checksums(result.stderr)) == 1
+    assert "world size 1: global batch 16" in result.stdout
     assert read_json(json_path)["world_size"] == 1
+
+
+@pytest.mark.parametrize("env, missing", [({"WORLD_SIZE": "2"}, "RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT"),
+                                          ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "localhost",
+                                            "MASTER_PORT": "29500"}, "LOCAL_RANK")])
+def test_opt5_started_without_torchrun_but_some_of_its_variables_exits_2_with_one_line(env, missing):
+    # srun sets no LOCAL_RANK; a hand-set WORLD_SIZE alone is not a job either.
+    # A run that missed the check would train (or wait for a rank 1 that never comes): cut it short.
+    result = run_script("opt5.py", *DDP_ARGS, "--train-size", 256, env=env, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
+    assert f"set but not {missing}: start opt5.py with torchrun" in result.stderr
 
 
 def test_opt5_rank_shares_are_disjoint_and_cover_the_epoch():
@@ -1121,14 +1165,14 @@ def test_opt5_rank_shares_are_disjoint_and_cover_the_epoch():
 
 
 INSTRUMENTED_RANK = """
-import contextlib, json, os, sys, time
+import contextlib, hashlib, json, os, sys, time
 sys.path.insert(0, {root!r})
 import torch, torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 import common, opt5
 
 rank, out = os.environ["RANK"], sys.argv.pop(1)
-record = {{"shares": [], "allreduce_at_micro_batch": [], "load": None}}
+record = {{"shares": [], "allreduce_at_micro_batch": [], "load": None, "evaluated": []}}
 micro_batches = [0]
 
 
@@ -1146,6 +1190,7 @@ torch.autocast = lambda *args, **kwargs: contextlib.nullcontext()
 opt5.augment = lambda images, generator: images  # crops are drawn per micro-batch: leave images as they are
 
 real_epoch_batches, real_load_data, RealDDP = opt5.epoch_batches, common.load_data, opt5.DistributedDataParallel
+real_normalize, real_evaluate, evaluated_models = opt5.normalize, opt5.evaluate, []
 
 
 def epoch_batches(*args):
@@ -1174,14 +1219,31 @@ def counting_ddp(*args, **kwargs):
     return model
 
 
+def normalize(images):
+    if torch.is_inference_mode_enabled():  # evaluating: note which test images this rank scores
+        record["evaluated"] += [hashlib.sha256(image.numpy().tobytes()).hexdigest()[:16] for image in images]
+    return real_normalize(images)
+
+
+def evaluate(run, *args):
+    evaluated_models.append(run.model)
+    return real_evaluate(run, *args)
+
+
 opt5.epoch_batches, common.load_data, opt5.DistributedDataParallel = epoch_batches, load_data, counting_ddp
+opt5.normalize, opt5.evaluate = normalize, evaluate
 sys.argv[0] = "opt5.py"
 try:
     opt5.main()
 finally:
     with open(out + ".rank" + rank + ".json", "w") as file:
         json.dump(record, file)
-"""
+""" + PRINT_WEIGHTS_CHECKSUM
+
+
+def image_hash(image):
+    """A short hash of one uint8 image's pixels, as INSTRUMENTED_RANK names the test images a rank evaluates."""
+    return hashlib.sha256(image.numpy().tobytes()).hexdigest()[:16]
 
 
 @pytest.fixture(scope="module")
@@ -1196,10 +1258,11 @@ def accumulating_ddp_runs(tmp_path_factory):
         # 120 images = 5 steps of 2 ranks x 12, enough for OneCycleLR
         result = run_script(*TORCHRUN, wrapper, out, *SMALL, "--epochs", 1, "--train-size", 120, "--test-size", 16,
                             "--batch-size", batch_size, "--accum-steps", accum_steps, "--no-compile",
-                            "--save", f"{out}.pt", timeout=300)
+                            "--save", f"{out}.pt", "--json", f"{out}.json", timeout=300)
         assert result.returncode == 0, result.stderr
         ranks = [json.loads(Path(f"{out}.rank{rank}.json").read_text()) for rank in (0, 1)]
-        runs[accum_steps] = SimpleNamespace(result=result, ranks=ranks, weights=torch.load(f"{out}.pt"))
+        runs[accum_steps] = SimpleNamespace(result=result, ranks=ranks, weights=torch.load(f"{out}.pt"),
+                                            report=read_json(f"{out}.json"))
     return runs
 
 
@@ -1230,6 +1293,23 @@ def test_opt5_ranks_train_on_disjoint_shares_that_cover_the_epoch(accumulating_d
         first, second = (rank["shares"][0] for rank in run.ranks)
         assert len(first) == len(second) == 60 and not set(first) & set(second)
         assert set(first) | set(second) == set(range(120))
+
+
+def test_opt5_ranks_evaluate_disjoint_slices_that_cover_the_test_set_and_score_as_one_process(accumulating_ddp_runs):
+    test_data = opt3.load_to_device(common.synthetic_cifar10(16, train=False, transform=None), CPU)
+    every_test_image = sorted(image_hash(image) for image in test_data[0])
+    assert len(set(every_test_image)) == 16, "the test must be able to tell the images apart"
+    for run in accumulating_ddp_runs.values():
+        first, second = (rank["evaluated"] for rank in run.ranks)
+        assert len(first) == len(second) == 8 and not set(first) & set(second), "each rank its own half"
+        assert sorted(first + second) == every_test_image
+        # The report's figures are the whole test set's: one process scoring the saved weights gets the same.
+        model = bn_free_net()
+        model.load_state_dict(run.weights)
+        loss, accuracy = call(opt5.evaluate, model=model, test_data=test_data, amp_dtype=torch.float32, batch_size=4,
+                              device=CPU, size=32, rank=0, world_size=1)
+        assert loss == pytest.approx(run.report["epochs"][-1]["test_loss"], rel=1e-5)
+        assert accuracy == pytest.approx(run.report["final_test_accuracy"], abs=1e-9)
 
 
 def test_opt5_the_first_rank_on_a_machine_loads_the_data_before_the_others(accumulating_ddp_runs):
