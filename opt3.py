@@ -70,18 +70,18 @@ def normalize(images):
 
 
 def augment(images, generator):
-    """Per image: a random 32x32 crop of the reflect-padded image and a random horizontal flip."""
-    batch, device, pad = len(images), images.device, common.CROP_PADDING
+    """Per image: a random crop of the reflect-padded image, as large as the image, and a random horizontal flip."""
+    (batch, channels, height, width), device, pad = images.shape, images.device, common.CROP_PADDING
     padded = F.pad(images, (pad, pad, pad, pad), mode="reflect")
     top, left = torch.randint(0, 2 * pad + 1, (2, batch, 1), device=device, generator=generator)
     flip = torch.rand(batch, 1, device=device, generator=generator) < 0.5
-    pixels = torch.arange(32, device=device)
-    rows = top + pixels
-    columns = left + torch.where(flip, 31 - pixels, pixels)  # a flip reads the crop's columns backwards
+    rows = top + torch.arange(height, device=device)
+    pixels = torch.arange(width, device=device)
+    columns = left + torch.where(flip, width - 1 - pixels, pixels)  # a flip reads the crop's columns backwards
     # One gather for the whole batch: image i, every channel, rows[i] x columns[i].
     image_index = torch.arange(batch, device=device).view(batch, 1, 1, 1)
-    channel_index = torch.arange(3, device=device).view(1, 3, 1, 1)
-    return padded[image_index, channel_index, rows.view(batch, 1, 32, 1), columns.view(batch, 1, 1, 32)]
+    channel_index = torch.arange(channels, device=device).view(1, channels, 1, 1)
+    return padded[image_index, channel_index, rows.view(batch, 1, height, 1), columns.view(batch, 1, 1, width)]
 
 
 def epoch_batches(size, batch_size, generator, device):

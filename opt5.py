@@ -37,7 +37,7 @@ def parse_args():
     parser.add_argument("--label-smoothing", type=common.fraction, default=0.1,
                         help="weight of the uniform target mixed into each label (default: 0.1)")
     parser.add_argument("--min-size", type=int, default=16, choices=[8, 16, 24, 32],
-                        help="image size of the first epoch; it grows to 32 by the last (default: 16)")
+                        help="image size of the first epoch; it grows to the full size (32) by the last (default: 16)")
     parser.add_argument("--monitor-size", type=common.positive_int, default=1000,
                         help="test images evaluated after each epoch but the last, which evaluates them all "
                              "(default: 1000)")
@@ -137,30 +137,30 @@ def normalize(images):
 
 
 def augment(images, generator):
-    """Per image: a random 32x32 crop of the reflect-padded image and a random horizontal flip."""
-    batch, device, pad = len(images), images.device, common.CROP_PADDING
+    """Per image: a random crop of the reflect-padded image, as large as the image, and a random horizontal flip."""
+    (batch, channels, height, width), device, pad = images.shape, images.device, common.CROP_PADDING
     padded = F.pad(images, (pad, pad, pad, pad), mode="reflect")
     top, left = torch.randint(0, 2 * pad + 1, (2, batch, 1), device=device, generator=generator)
     flip = torch.rand(batch, 1, device=device, generator=generator) < 0.5
-    pixels = torch.arange(32, device=device)
-    rows = top + pixels
-    columns = left + torch.where(flip, 31 - pixels, pixels)  # a flip reads the crop's columns backwards
+    rows = top + torch.arange(height, device=device)
+    pixels = torch.arange(width, device=device)
+    columns = left + torch.where(flip, width - 1 - pixels, pixels)  # a flip reads the crop's columns backwards
     # One gather for the whole batch: image i, every channel, rows[i] x columns[i].
     image_index = torch.arange(batch, device=device).view(batch, 1, 1, 1)
-    channel_index = torch.arange(3, device=device).view(1, 3, 1, 1)
-    return padded[image_index, channel_index, rows.view(batch, 1, 32, 1), columns.view(batch, 1, 1, 32)]
+    channel_index = torch.arange(channels, device=device).view(1, channels, 1, 1)
+    return padded[image_index, channel_index, rows.view(batch, 1, height, 1), columns.view(batch, 1, 1, width)]
 
 
-def image_size(epoch, epochs, min_size):
-    """The side of the images trained on in `epoch`: from min_size in the first to 32 in the last, in steps of 8."""
+def image_size(epoch, epochs, min_size, full_size):
+    """The side of the images trained on in `epoch`: min_size in the first, full_size in the last, in steps of 8."""
     if epochs == 1:
-        return 32
-    return min_size + (32 - min_size) * (epoch - 1) // (epochs - 1) // 8 * 8
+        return full_size
+    return min_size + (full_size - min_size) * (epoch - 1) // (epochs - 1) // 8 * 8
 
 
 def downscale(images, size):
-    """Shrink a batch of 32x32 images to size x size; each new pixel is the mean of the pixels it covers."""
-    if size == 32:
+    """Shrink a batch of square images to size x size; each new pixel is the mean of the pixels it covers."""
+    if size == images.shape[-1]:
         return images
     return F.interpolate(images, size=(size, size), mode="area")
 
@@ -346,13 +346,15 @@ def train(args, rank, world_size, device):
         world_size=world_size,
     )
 
-    # opt4: after each epoch but the last, a fixed subset of the test set shows the curve at a small cost
-    # (1,000 images: about 1 % of a 32x32 epoch's work); the last epoch evaluates them all
-    monitor_data = [data[:args.monitor_size] for data in test_data]
+    # opt4: after each epoch but the last, a fixed random subset of the test set shows the curve at a small cost
+    # (1,000 images: about 1 % of a 32x32 epoch's work; the first 1,000 of a set stored by class would be one class);
+    # the last epoch evaluates them all
+    subset = torch.randperm(len(test_data[1]), generator=torch.Generator().manual_seed(args.seed))[:args.monitor_size]
+    monitor_data = [data[subset.to(device)] for data in test_data]
     records = []
     start = common.now(device)
     for epoch in range(1, args.epochs + 1):
-        size = image_size(epoch, args.epochs, args.min_size)
+        size = image_size(epoch, args.epochs, args.min_size, full_size=train_data[0].shape[-1])
         profile_dir = args.profile if epoch == args.epochs and rank == 0 else None
         with common.step_monitor(epoch, profile_dir, device) as monitor:
             epoch_start = common.now(device)

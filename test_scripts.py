@@ -454,17 +454,19 @@ def test_profile_writes_a_trace(tmp_path):
 
 # -------------------------------------------------------------------- opt3's on-device data path
 
-def test_opt3_augment_crops_a_translate_of_the_padded_image_and_flips_a_mirror():
-    images = torch.rand(32, 3, 32, 32)
+@pytest.mark.parametrize("height, width", [(32, 32), (64, 48)])  # CIFAR-10's size, and a copy-paste's
+def test_opt3_augment_crops_a_translate_of_the_padded_image_and_flips_a_mirror(height, width):
+    images = torch.rand(32, 3, height, width)
     pad = common.CROP_PADDING
     padded = torch.nn.functional.pad(images, (pad, pad, pad, pad), mode="reflect")
     augmented = opt3.augment(images, torch.Generator().manual_seed(0))
+    assert augmented.shape == images.shape
     found = set()
     shifts = range(2 * pad + 1)
     for i in range(len(images)):
         matches = [(top, left, flip) for top in shifts for left in shifts for flip in (False, True)
                    if torch.equal(augmented[i], (lambda crop: crop.flip(2) if flip else crop)(
-                       padded[i, :, top:top + 32, left:left + 32]))]
+                       padded[i, :, top:top + height, left:left + width]))]
         assert matches, f"image {i} is not a crop of its padded image, plain or mirrored"
         found.update(matches)
     assert len(found) > 10 and {flip for _, _, flip in found} == {False, True}, "not random"
@@ -816,11 +818,12 @@ def test_opt3_accumulating_k_micro_batches_equals_one_big_batch(script, monkeypa
 
 # ---------------------------------------------------- opt4: progressive resizing, evaluation cadence
 
-def test_opt4_image_size_grows_from_min_size_to_32_in_steps_of_8():
-    sizes = {epochs: [opt4.image_size(epoch, epochs, 16) for epoch in range(1, epochs + 1)] for epochs in (1, 2, 5)}
+def test_opt4_image_size_grows_from_min_size_to_the_full_size_in_steps_of_8():
+    sizes = {epochs: [opt4.image_size(epoch, epochs, 16, 32) for epoch in range(1, epochs + 1)] for epochs in (1, 2, 5)}
     assert sizes == {1: [32], 2: [16, 32], 5: [16, 16, 24, 24, 32]}
-    assert [opt4.image_size(epoch, 4, 8) for epoch in range(1, 5)] == [8, 16, 24, 32]
-    assert [opt4.image_size(epoch, 3, 32) for epoch in range(1, 4)] == [32, 32, 32]
+    assert [opt4.image_size(epoch, 4, 8, 32) for epoch in range(1, 5)] == [8, 16, 24, 32]
+    assert [opt4.image_size(epoch, 3, 32, 32) for epoch in range(1, 4)] == [32, 32, 32]
+    assert [opt4.image_size(epoch, 5, 16, 64) for epoch in range(1, 6)] == [16, 24, 40, 48, 64]
 
 
 def test_opt4_downscale_averages_each_pixels_area():
@@ -831,6 +834,7 @@ def test_opt4_downscale_averages_each_pixels_area():
         # Bilinear sampling would alias the stripes into a new pattern at 24x24 (0.17 to 0.83; antialiased 0.3 to 0.7).
         assert torch.equal(small, torch.full_like(small, 0.5)), size
     assert opt4.downscale(stripes, 32) is stripes
+    assert opt4.downscale(torch.rand(1, 3, 64, 64), 32).shape == (1, 3, 32, 32), "images of any size"
 
 
 class SizeRecordingResNet10(common.ResNet10):
@@ -849,6 +853,9 @@ def test_opt4_trains_each_epoch_on_its_image_size_and_evaluates_all_test_images_
     json_path, weights = tmp_path / "result.json", tmp_path / "weights.pt"
     monkeypatch.setattr(common, "ResNet10", SizeRecordingResNet10)
     monkeypatch.setattr(common, "training_flops_per_image", lambda: 1.0)  # it would run a ResNet10 of its own
+    evaluated, real_evaluate = [], opt4.evaluate
+    monkeypatch.setattr(opt4, "evaluate", lambda run, test_data, size: evaluated.append(test_data) or
+                        real_evaluate(run, test_data, size))
     # 4 steps of 32 images per epoch; 256 test images in batches of 32, 64 of them after epochs 1 and 2
     monkeypatch.setattr(sys, "argv", ["opt4.py", *SMALL, "--no-compile", "--epochs", "3", "--train-size", "128",
                                       "--batch-size", "32", "--monitor-size", "64", "--json", str(json_path),
@@ -861,6 +868,13 @@ def test_opt4_trains_each_epoch_on_its_image_size_and_evaluates_all_test_images_
     report = read_json(json_path)
     assert [epoch["image_size"] for epoch in report["epochs"]] == [16, 24, 32]
     assert [epoch["test_images"] for epoch in report["epochs"]] == [64, 64, 256]
+    # The subset is the same after every epoch, and random: the first 64 of a set stored by class would be one class.
+    (first_images, first_labels), (second_images, _), (all_images, all_labels) = evaluated
+    assert torch.equal(first_images, second_images)
+    subset = [image_hash(image) for image in first_images]
+    assert len(set(subset)) == 64 and set(subset) < {image_hash(image) for image in all_images}
+    assert subset != [image_hash(image) for image in all_images[:64]]
+    assert sorted(first_labels.tolist()) != sorted(all_labels[:64].tolist())
     assert report["steady_images_per_second"] is None, "the speeds of 16x16 and 32x32 epochs do not add up"
     launch = [epoch["launch_seconds"] for epoch in report["epochs"]]
     assert 0 < launch[0] < launch[1] < launch[2] == report["launch_to_result_seconds"]
