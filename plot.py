@@ -1,12 +1,12 @@
 """plot.py: draw the README's figure from the measured data in results/.
 
-    python plot.py            # results/{chain-5-epochs,ladder,convergence}.jsonl -> results/chain.png
+    python plot.py            # results/{chain-5-epochs,ladder,convergence,curve}.jsonl -> results/chain.png
     python plot.py --tables   # the same data as the markdown tables of results/README.md
 
 Three panels: test accuracy per epoch of each script on real CIFAR-10; steady images/s of each
 rung of the ladder (benchmark.py --ladder), with the machine's bf16 matmul peak for reference; and
-opt3's and opt4's test accuracy against minutes since launch, which shows speed and learning together.
-Needs matplotlib (the training scripts do not).
+opt3's and opt4's final test accuracy against launch-to-result minutes, one point per --epochs, so
+that each script is a curve and the two compare at equal time. Needs matplotlib (the training scripts do not).
 """
 import argparse
 import json
@@ -18,6 +18,7 @@ import common
 
 CHAIN = ["baseline.py", "opt1.py", "opt2.py", "opt3.py"]
 CONVERGENCE = ["opt3.py", "opt4.py"]  # the step opt4 takes, and the rung it is measured against
+DEFAULT_EPOCHS = 5  # opt3's and opt4's --epochs default: the runs the curve summary compares
 
 
 def parse_args():
@@ -29,6 +30,9 @@ def parse_args():
     parser.add_argument("--convergence", default="results/convergence.jsonl",
                         help="real-data runs of opt3.py and opt4.py with their launch times "
                              "(default: results/convergence.jsonl)")
+    parser.add_argument("--curve", default="results/curve.jsonl",
+                        help="real-data runs of opt3.py and opt4.py at several --epochs, one CPU, one sitting "
+                             "(default: results/curve.jsonl)")
     parser.add_argument("--out", default="results/chain.png", help="the PNG to write (default: results/chain.png)")
     parser.add_argument("--tables", action="store_true", help="print markdown tables instead of drawing (default: off)")
     return parser.parse_args()
@@ -79,8 +83,9 @@ def latest_ladder(lines):
     return summaries[-1]
 
 
-def markdown_tables(runs, ladder, convergence):
-    """Accuracy per epoch of each script's run, each ladder rung's steady speed, and the convergence runs."""
+def markdown_tables(runs, ladder, convergence, curve):
+    """Accuracy per epoch of each script's run, each ladder rung's steady speed, the convergence runs, and the
+    curves with what they say."""
     epochs = max(len(run["epochs"]) for run in runs)
     lines = ["| script | " + " | ".join(f"epoch {epoch}" for epoch in range(1, epochs + 1))
              + " | training minutes | steady images/s |", "|---" * (epochs + 3) + "|"]
@@ -96,19 +101,83 @@ def markdown_tables(runs, ladder, convergence):
                      f"| {row['warmup_seconds']:.1f} | {common.shown(row['peak_memory_gib'], '.2f')} "
                      f"| {row['tflops']:.3f} | {common.shown(row['percent_of_bf16_peak'], '.0f')} |")
     opt3_minutes = [run["launch_to_result_seconds"] / 60 for run in convergence if run["script"] == "opt3.py"]
-    reference = statistics.mean(opt3_minutes) if opt3_minutes else None
-    lines += ["", "| script | flags | image sizes per epoch | test acc % | launch to result min | of opt3's |",
-              "|---|---|---|---|---|---|"]
-    for run in convergence:
-        sizes = ", ".join(str(record.get("image_size", 32)) for record in run["epochs"])
-        minutes = run["launch_to_result_seconds"] / 60
-        share = common.shown(reference and minutes / reference, ".0%")
-        lines.append(f"| `{run['script']}` | `{flags(run)}` | {sizes} | {100 * run['final_test_accuracy']:.1f} "
-                     f"| {minutes:.1f} | {share} |")
+    lines += ["", *timed_runs_table(convergence, statistics.mean(opt3_minutes) if opt3_minutes else None)]
+    lines += ["", *timed_runs_table(curve, opt3_default_minutes(curve)), "", *curve_summary(curve)]
     return "\n".join(lines)
 
 
-def draw(runs, ladder, convergence, out):
+def timed_runs_table(runs, reference_minutes):
+    """Markdown lines: each run's flags, image sizes, final accuracy and launch-to-result minutes, also as a share
+    of `reference_minutes` (opt3's)."""
+    lines = ["| script | flags | image sizes per epoch | test acc % | launch to result min | of opt3's |",
+             "|---|---|---|---|---|---|"]
+    for run in runs:
+        sizes = ", ".join(str(record.get("image_size", 32)) for record in run["epochs"])
+        minutes = run["launch_to_result_seconds"] / 60
+        share = common.shown(reference_minutes and minutes / reference_minutes, ".0%")
+        lines.append(f"| `{run['script']}` | `{flags(run)}` | {sizes} | {100 * run['final_test_accuracy']:.1f} "
+                     f"| {minutes:.1f} | {share} |")
+    return lines
+
+
+def curve_points(runs, script):
+    """(launch-to-result minutes, final test accuracy %, epochs) of each run of `script`, fastest first."""
+    return sorted((run["launch_to_result_seconds"] / 60, 100 * run["final_test_accuracy"], len(run["epochs"]))
+                  for run in runs if run["script"] == script)
+
+
+def opt3_default_minutes(runs):
+    """Launch-to-result minutes of opt3 at its default --epochs, or None if the curve has no such run."""
+    return next((minutes for minutes, _, epochs in curve_points(runs, "opt3.py") if epochs == DEFAULT_EPOCHS), None)
+
+
+def interpolate(points, x):
+    """y at x on the polyline through `points` ((x, y, ...) sorted by x), or None outside it."""
+    for (x0, y0, *_), (x1, y1, *_) in zip(points, points[1:]):
+        if x0 <= x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return None
+
+
+def first_reach(points, y):
+    """The first x at which the polyline through `points` ((x, y, ...) sorted by x) reaches y, or None."""
+    if points and points[0][1] >= y:
+        return points[0][0]
+    for (x0, y0, *_), (x1, y1, *_) in zip(points, points[1:]):
+        if y0 < y <= y1:
+            return x0 + (x1 - x0) * (y - y0) / (y1 - y0)
+    return None
+
+
+def curve_summary(runs):
+    """Two sentences read off the curves: how far opt4 at its default --epochs is above opt3 trained for the same
+    time, and what share of opt3's default run time opt4 needs to reach that run's accuracy."""
+    opt3, opt4 = curve_points(runs, "opt3.py"), curve_points(runs, "opt4.py")
+    opt4_default = next((point for point in opt4 if point[2] == DEFAULT_EPOCHS), None)
+    opt3_default = next((point for point in opt3 if point[2] == DEFAULT_EPOCHS), None)
+    if opt4_default is None or opt3_default is None:
+        return [f"Curve summary: not measured (it needs opt3 and opt4 at --epochs {DEFAULT_EPOCHS})."]
+    minutes, accuracy, _ = opt4_default
+    at_equal_time = interpolate(opt3, minutes)
+    if at_equal_time is None:
+        ahead = f"opt3's curve ({opt3[0][0]:.1f}-{opt3[-1][0]:.1f} min) does not span that time"
+    else:
+        ahead = (f"opt3 trained for the same time: {at_equal_time:.1f} % (interpolated), so opt4 is "
+                 f"{accuracy - at_equal_time:+.1f} points ahead")
+    lines = [f"- At its default (`--epochs {DEFAULT_EPOCHS}`), opt4 reaches {accuracy:.1f} % in {minutes:.1f} min; "
+             f"{ahead}."]
+    target_minutes, target, _ = opt3_default
+    goal = f"opt3's `--epochs {DEFAULT_EPOCHS}` accuracy ({target:.1f} % in {target_minutes:.1f} min)"
+    reached = first_reach(opt4, target)
+    if reached is None:
+        lines.append(f"- opt4 does not reach {goal} within its runs (up to `--epochs {max(p[2] for p in opt4)}`).")
+    else:
+        lines.append(f"- opt4 reaches {goal} at {reached:.1f} min (interpolated): {reached / target_minutes:.0%} of "
+                     "opt3's time.")
+    return lines
+
+
+def draw(runs, ladder, curve, out):
     import matplotlib
     matplotlib.use("Agg")  # files only, no window
     import matplotlib.pyplot as plt
@@ -120,13 +189,16 @@ def draw(runs, ladder, convergence, out):
         accuracy_axis.plot(epochs, accuracy, marker="o", label=run["script"])
     accuracy_axis.set(title="Test accuracy, real CIFAR-10", xlabel="epoch", ylabel="test accuracy %")
     accuracy_axis.set_xticks(range(1, max(len(run["epochs"]) for run in runs) + 1))
-    for run in convergence:
-        minutes = [record["launch_seconds"] / 60 for record in run["epochs"]]
-        accuracy = [100 * record["test_accuracy"] for record in run["epochs"]]
-        time_axis.plot(minutes, accuracy, marker="o", label=f"{run['script']} {flags(run)}")
-    time_axis.set_title(f"Accuracy against minutes since launch, {convergence[0]['cpu']}\n"
-                        "(opt4 before its last epoch: a 1,000-image subset)", fontsize=9)
-    time_axis.set(xlabel="minutes since launch", ylabel="test accuracy %")
+    for script in CONVERGENCE:
+        points = curve_points(curve, script)
+        time_axis.plot([minutes for minutes, _, _ in points], [accuracy for _, accuracy, _ in points], marker="o",
+                       label=script)
+        for minutes, accuracy, epochs in points:
+            time_axis.annotate(f"{epochs}", (minutes, accuracy), textcoords="offset points", xytext=(4, -10),
+                               fontsize=7)
+    time_axis.set_title(f"Final accuracy against launch-to-result time, {curve[0]['cpu']}\n"
+                        "(one run per --epochs, labelled; seed 0)", fontsize=9)
+    time_axis.set(xlabel="minutes from launch to result", ylabel="test accuracy %")
     for axis in (accuracy_axis, time_axis):
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
@@ -162,14 +234,15 @@ def main():
     runs = latest_run_per_script(read_lines(args.runs))
     ladder = latest_ladder(read_lines(args.ladder))
     convergence = convergence_runs(read_lines(args.convergence))
+    curve = convergence_runs(read_lines(args.curve))
     if args.tables:
-        print(markdown_tables(runs, ladder, convergence))
+        print(markdown_tables(runs, ladder, convergence, curve))
         return
     try:
         import matplotlib  # noqa: F401  (imported here so a missing install is one clear line)
     except ImportError:
         common.fail("plot.py needs matplotlib: pip install matplotlib==3.11.2 (or pip install -r requirements.txt)")
-    draw(runs, ladder, convergence, args.out)
+    draw(runs, ladder, curve, args.out)
     print(f"wrote {args.out}")
 
 

@@ -991,10 +991,15 @@ def write_plot_fixture(folder):
     convergence = [timed_run("opt3.py", "--epochs 2", [32, 32], [10.0, 20.0], 0.8),
                    timed_run("opt3.py", "--epochs 2 --seed 1", [32, 32], [11.0, 22.0], 0.8),
                    timed_run("opt4.py", "--epochs 2 --seed 1", [16, 32], [4.0, 10.5], 0.825)]
-    for name, lines in (("runs", runs), ("ladder", [ladder]), ("convergence", convergence)):
+    # opt3 at --epochs 2 and 5, opt4 at 5 and 6, in the order a sitting might run them
+    curve = [timed_run("opt4.py", "--epochs 6", [16, 16, 16, 24, 24, 32], [2, 4, 6, 10, 14, 18.0], 0.86),
+             timed_run("opt3.py", "--epochs 2", [32] * 2, [5, 10.0], 0.75),
+             timed_run("opt4.py", "--epochs 5", [16, 16, 24, 24, 32], [2, 4, 7, 10, 15.0], 0.82),
+             timed_run("opt3.py", "--epochs 5", [32] * 5, [5, 10, 15, 20, 25.0], 0.85)]
+    for name, lines in (("runs", runs), ("ladder", [ladder]), ("convergence", convergence), ("curve", curve)):
         (folder / f"{name}.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     return ["--runs", folder / "runs.jsonl", "--ladder", folder / "ladder.jsonl",
-            "--convergence", folder / "convergence.jsonl"]
+            "--convergence", folder / "convergence.jsonl", "--curve", folder / "curve.jsonl"]
 
 
 def test_plot_draws_the_figure_from_json_lines(tmp_path):
@@ -1028,6 +1033,33 @@ def test_plot_tables_print_the_latest_real_data_run_of_each_script(tmp_path):
     # Each timed run against the mean of opt3's (21 minutes); the flags without the data and JSON paths
     assert "| `opt3.py` | `--epochs 2` | 32, 32 | 80.0 | 20.0 | 95% |" in result.stdout
     assert "| `opt4.py` | `--epochs 2 --seed 1` | 16, 32 | 82.5 | 10.5 | 50% |" in result.stdout
+
+
+def test_plot_reads_opt4_against_opt3_at_equal_time_off_the_curves(tmp_path):
+    result = run_script("plot.py", "--tables", *write_plot_fixture(tmp_path))
+    assert result.returncode == 0, result.stderr
+    # Each curve run against opt3 --epochs 5 (25 minutes)
+    assert "| `opt4.py` | `--epochs 6` | 16, 16, 16, 24, 24, 32 | 86.0 | 18.0 | 72% |" in result.stdout
+    # opt3 at opt4's 15 minutes: 75 + (85 - 75) x (15 - 10) / (25 - 10) = 78.3 %
+    assert "opt4 reaches 82.0 % in 15.0 min; opt3 trained for the same time: 78.3 % (interpolated), so opt4 is " \
+           "+3.7 points ahead." in result.stdout
+    # 85 % on opt4's curve: 15 + (18 - 15) x (85 - 82) / (86 - 82) = 17.25 minutes, 69 % of opt3's 25
+    assert "opt4 reaches opt3's `--epochs 5` accuracy (85.0 % in 25.0 min) at 17.2 min (interpolated): 69% of " \
+           "opt3's time." in result.stdout
+
+
+def test_plot_curve_summary_says_what_the_curves_do_not_reach():
+    def run(script, minutes, accuracy, epochs):
+        return {"script": script, "launch_to_result_seconds": 60 * minutes, "final_test_accuracy": accuracy,
+                "epochs": [{}] * epochs}
+
+    slow_opt3 = [run("opt3.py", 20.0, 0.8, 4), run("opt3.py", 25.0, 0.85, 5)]
+    low_opt4 = [run("opt4.py", 12.0, 0.8, 5), run("opt4.py", 15.0, 0.83, 6)]
+    first, second = plot.curve_summary(slow_opt3 + low_opt4)
+    assert "opt3's curve (20.0-25.0 min) does not span that time" in first
+    assert "opt4 does not reach opt3's `--epochs 5` accuracy (85.0 % in 25.0 min) within its runs (up to " \
+           "`--epochs 6`)" in second
+    assert plot.curve_summary(low_opt4) == ["Curve summary: not measured (it needs opt3 and opt4 at --epochs 5)."]
 
 
 def test_plot_without_matplotlib_says_how_to_install_it(tmp_path):
@@ -1082,10 +1114,14 @@ def test_readme_figures_are_the_measured_data():
         assert f"| `{script}` | {accuracies} |" in results_page, script
     # The convergence table, on both pages, is plot.py's from the timed runs (launch-to-result minutes).
     convergence = plot.convergence_runs(json_lines("convergence.jsonl"))
-    table = plot.markdown_tables(list(runs.values()), bf16_ladder, convergence).split("\n\n")[-1]
+    tables = plot.markdown_tables(list(runs.values()), bf16_ladder, convergence, curve=[]).split("\n\n")
     assert {run["script"] for run in convergence} == {"opt3.py", "opt4.py"}
-    for line in table.splitlines():
+    for line in tables[2].splitlines():
         assert line in readme and line in results_page, line
+    # opt5's accuracy is its two-process run's.
+    data_parallel = json_lines("data-parallel.jsonl")[-1]
+    assert data_parallel["script"] == "opt5.py" and data_parallel["world_size"] == 2
+    assert rows["opt5.py"][-1] == f"{100 * data_parallel['final_test_accuracy']:.1f} (2 ranks)"
 
 
 # ------------------------------------------------------------------------- opt5: DDP under torchrun
