@@ -166,8 +166,8 @@ def evaluate(run, test_data, size):
     with torch.inference_mode():  # opt2: like no_grad, and also skips autograd's version tracking
         for start in range(0, len(all_labels), batch_size):
             images = normalize(all_images[start:start + batch_size])
-            # opt4: the last batch padded with blank images to a full one (their outputs are dropped): one shape, so
-            # one evaluation graph per image size; dynamic=False makes each new shape a graph, and torch stops at 8
+            # opt4: the last batch padded with blank images to a full one (their outputs are dropped): one shape, so one
+            # evaluation graph per size; dynamic=False compiles each new shape, and past 8 graphs runs new ones eager
             images = F.pad(images, (0, 0, 0, 0, 0, 0, 0, batch_size - len(images)))
             # opt4: at the size just trained on: its BatchNorm statistics are of images that size
             images = downscale(images, size).contiguous(memory_format=torch.channels_last)
