@@ -1112,11 +1112,15 @@ def test_readme_figures_are_the_measured_data():
     for script, run in runs.items():
         accuracies = " | ".join(f"{100 * epoch['test_accuracy']:.1f}" for epoch in run["epochs"])
         assert f"| `{script}` | {accuracies} |" in results_page, script
-    # The convergence table, on both pages, is plot.py's from the timed runs (launch-to-result minutes).
+    # The convergence table on the results page, and the curves' table and what they say on both pages, are
+    # plot.py's from the timed runs (launch-to-result minutes).
     convergence = plot.convergence_runs(json_lines("convergence.jsonl"))
-    tables = plot.markdown_tables(list(runs.values()), bf16_ladder, convergence, curve=[]).split("\n\n")
-    assert {run["script"] for run in convergence} == {"opt3.py", "opt4.py"}
+    curve = plot.convergence_runs(json_lines("curve.jsonl"))
+    tables = plot.markdown_tables(list(runs.values()), bf16_ladder, convergence, curve).split("\n\n")
+    assert {run["script"] for run in convergence} == {run["script"] for run in curve} == {"opt3.py", "opt4.py"}
     for line in tables[2].splitlines():
+        assert line in results_page, line
+    for line in "\n".join(tables[3:]).splitlines():
         assert line in readme and line in results_page, line
     # opt5's accuracy is its two-process run's.
     data_parallel = json_lines("data-parallel.jsonl")[-1]
