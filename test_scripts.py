@@ -1134,14 +1134,27 @@ TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 DDP_ARGS = [*SMALL, "--epochs", "2", "--batch-size", "16", "--no-compile"]
 
 
-# Run after opt5.main() in a rank's process: a short hash of the bytes of every parameter and buffer of the model
-# it evaluated last, on stderr. The ranks are in step when their hashes are equal.
-PRINT_WEIGHTS_CHECKSUM = """
+# In a rank's process: opt5.evaluate wrapped to hash the bytes of every parameter and buffer of the model just
+# evaluated (a hash, not the model: DDP's wrapper must not outlive the process group), and the last hash printed
+# on stderr after opt5.main(). The ranks are in step when their hashes are equal.
+WEIGHTS_CHECKSUM = """
 import hashlib
-digest = hashlib.sha256()
-for tensor in [*evaluated_models[-1].parameters(), *evaluated_models[-1].buffers()]:
-    digest.update(tensor.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
-print(f"rank {{os.environ.get('RANK', 0)}}: weights checksum {{digest.hexdigest()[:16]}}", file=sys.stderr)
+checksums, real_evaluate = [], opt5.evaluate
+
+
+def evaluate(run, *args):
+    result = real_evaluate(run, *args)
+    digest = hashlib.sha256()
+    for tensor in [*run.model.parameters(), *run.model.buffers()]:
+        digest.update(tensor.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    checksums.append(digest.hexdigest()[:16])
+    return result
+
+
+opt5.evaluate = evaluate
+"""
+PRINT_WEIGHTS_CHECKSUM = """
+print(f"rank {{os.environ.get('RANK', 0)}}: weights checksum {{checksums[-1]}}", file=sys.stderr)
 """
 
 CHECKSUM_RANK = """
@@ -1149,16 +1162,7 @@ import os, sys
 sys.path.insert(0, {root!r})
 import torch
 import opt5
-
-evaluated_models, real_evaluate = [], opt5.evaluate
-
-
-def evaluate(run, *args):
-    evaluated_models.append(run.model)
-    return real_evaluate(run, *args)
-
-
-opt5.evaluate = evaluate
+""" + WEIGHTS_CHECKSUM + """
 sys.argv[0] = "opt5.py"
 opt5.main()
 """ + PRINT_WEIGHTS_CHECKSUM
@@ -1244,7 +1248,7 @@ torch.autocast = lambda *args, **kwargs: contextlib.nullcontext()
 opt5.augment = lambda images, generator: images  # crops are drawn per micro-batch: leave images as they are
 
 real_epoch_batches, real_load_data, RealDDP = opt5.epoch_batches, common.load_data, opt5.DistributedDataParallel
-real_normalize, real_evaluate, evaluated_models = opt5.normalize, opt5.evaluate, []
+real_normalize = opt5.normalize
 
 
 def epoch_batches(*args):
@@ -1279,13 +1283,9 @@ def normalize(images):
     return real_normalize(images)
 
 
-def evaluate(run, *args):
-    evaluated_models.append(run.model)
-    return real_evaluate(run, *args)
-
-
 opt5.epoch_batches, common.load_data, opt5.DistributedDataParallel = epoch_batches, load_data, counting_ddp
-opt5.normalize, opt5.evaluate = normalize, evaluate
+opt5.normalize = normalize
+""" + WEIGHTS_CHECKSUM + """
 sys.argv[0] = "opt5.py"
 try:
     opt5.main()
