@@ -152,10 +152,10 @@ def augment(images, generator):
 
 
 def image_size(epoch, epochs, min_size, full_size):
-    """The side of the images trained on in `epoch`: min_size in the first, full_size in the last, in steps of 8."""
-    if epochs == 1:
-        return full_size
-    return min_size + (full_size - min_size) * (epoch - 1) // (epochs - 1) // 8 * 8
+    """The side of the images trained on in `epoch`, from min_size up in steps of 8: each size gets an equal share
+    of the epochs (the smaller ones any left over) and the last epoch is at full_size: 16,16,24,24,32,32 for 6."""
+    sizes = range(min_size, full_size + 1, 8)
+    return sizes[(epoch - 1) * len(sizes) // epochs] if epoch < epochs else full_size
 
 
 def downscale(images, size):

@@ -818,12 +818,14 @@ def test_opt3_accumulating_k_micro_batches_equals_one_big_batch(script, monkeypa
 
 # ---------------------------------------------------- opt4: progressive resizing, evaluation cadence
 
-def test_opt4_image_size_grows_from_min_size_to_the_full_size_in_steps_of_8():
-    sizes = {epochs: [opt4.image_size(epoch, epochs, 16, 32) for epoch in range(1, epochs + 1)] for epochs in (1, 2, 5)}
-    assert sizes == {1: [32], 2: [16, 32], 5: [16, 16, 24, 24, 32]}
+def test_opt4_image_size_gives_each_size_an_equal_share_of_the_epochs_and_ends_at_the_full_size():
+    sizes = {epochs: [opt4.image_size(epoch, epochs, 16, 32) for epoch in range(1, epochs + 1)]
+             for epochs in (1, 2, 3, 4, 5, 6, 7)}
+    assert sizes == {1: [32], 2: [16, 32], 3: [16, 24, 32], 4: [16, 16, 24, 32], 5: [16, 16, 24, 24, 32],
+                     6: [16, 16, 24, 24, 32, 32], 7: [16, 16, 16, 24, 24, 32, 32]}
     assert [opt4.image_size(epoch, 4, 8, 32) for epoch in range(1, 5)] == [8, 16, 24, 32]
     assert [opt4.image_size(epoch, 3, 32, 32) for epoch in range(1, 4)] == [32, 32, 32]
-    assert [opt4.image_size(epoch, 5, 16, 64) for epoch in range(1, 6)] == [16, 24, 40, 48, 64]
+    assert [opt4.image_size(epoch, 5, 16, 64) for epoch in range(1, 6)] == [16, 24, 32, 48, 64]
 
 
 def test_opt4_downscale_averages_each_pixels_area():
