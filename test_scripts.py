@@ -23,6 +23,7 @@ import torchvision
 from torch.overrides import TorchFunctionMode
 from torch.utils.data import DataLoader, TensorDataset
 
+import ablation
 import baseline
 import benchmark
 import common
@@ -963,6 +964,133 @@ def test_benchmark_rejects_one_epoch():
     result = run_script("benchmark.py", "--epochs", 1)
     assert result.returncode == 2 and "steady state excludes epoch 1" in result.stderr
 
+
+
+# ---------------------------------------------------------------------------------- ablation.py
+
+def test_ablation_zero_init_starts_every_residual_block_as_its_shortcut(monkeypatch):
+    ablation.zero_init_residuals(monkeypatch.setattr)
+    model = common.ResNet10()
+    assert all(torch.equal(block.bn2.weight, torch.zeros(block.bn2.num_features)) for block in model.layers)
+    assert model.stem[1].weight.eq(1).all(), "only the blocks' last BatchNorm changes"
+    block, x = model.layers[0].eval(), torch.randn(2, 64, 8, 8)
+    assert torch.equal(block(x), torch.relu(x)), "the first block (identity shortcut) passes its input on"
+
+
+def test_ablation_whitening_filters_whiten_the_images_3x3_patches():
+    mix = torch.tensor([[1.0, 0.0, 0.0], [0.8, 0.6, 0.0], [0.5, 0.5, 0.7]])  # correlated channels
+    images = torch.einsum("dc,nchw->ndhw", mix, torch.randn(64, 3, 16, 16)).cumsum(-1) / 3  # correlated pixels
+    weights = ablation.whitening_weights(images, eps=0.0)
+    assert weights.shape == (54, 3, 3, 3) and torch.equal(weights[27:], -weights[:27])
+    outputs = nn.functional.conv2d(images, weights[:27])  # each output pixel: one 3x3 patch, projected
+    covariance = torch.cov(outputs.permute(1, 0, 2, 3).reshape(27, -1))
+    assert torch.allclose(covariance, torch.eye(27), atol=1e-3)
+
+
+def test_ablation_whitening_stem_is_frozen_and_made_from_the_training_images(monkeypatch):
+    ablation.whitening_stem(monkeypatch.setattr, images_used=64)
+    train_set, _ = common.load_data(SimpleNamespace(synthetic=True, data_dir=None, train_size=256, test_size=64),
+                                    None, None)
+    train_images, _ = opt4.load_to_device(train_set, CPU)
+    model = common.ResNet10()
+    expected = ablation.whitening_weights(opt4.normalize(train_images[:64]))
+    assert torch.equal(model.stem[0].weight[:54], expected) and not model.stem[0].weight.requires_grad
+
+
+def test_ablation_alternating_flip_mirrors_each_image_every_other_epoch(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(opt4, "train_one_epoch", lambda run, data, epoch, monitor, size: seen.update({epoch: data[0]}))
+    ablation.alternating_flip(monkeypatch.setattr)
+    images = torch.arange(32.0).expand(100, 3, 32, 32)  # every row counts up from the left
+    run = SimpleNamespace(device=CPU, args=SimpleNamespace(seed=0))
+    for epoch in (1, 2, 3):
+        opt4.train_one_epoch(run, (images, torch.zeros(100)), epoch, NO_MONITOR, 32)
+    mirrored = seen[1][:, 0, 0, 0] == 31
+    assert 30 < mirrored.sum() < 70, "epoch 1: a coin per image"
+    assert torch.equal(seen[2], seen[1].flip(3)) and torch.equal(seen[3], seen[1])
+    crops = opt4.augment(images, torch.Generator().manual_seed(0))  # the random crop stays, its flip goes
+    assert (crops[..., 1:] - crops[..., :-1]).ge(0).sum() > 0.9 * crops[..., 1:].numel()
+
+
+def test_ablation_ema_averages_the_weights_and_batchnorm_statistics_after_every_step(monkeypatch):
+    def three_steps(run, train_data, epoch, monitor, size):
+        for _ in range(3):
+            run.model(torch.randn(8, 4)).square().mean().backward()
+            run.optimizer.step()
+
+    monkeypatch.setattr(opt4, "train_one_epoch", three_steps)
+    ablation.ema_of_the_weights(monkeypatch.setattr, decay=0.5)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    run = SimpleNamespace(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    states = [{name: tensor.clone() for name, tensor in model.state_dict().items()}]
+    record = run.optimizer.register_step_post_hook(lambda *_: states.append(
+        {name: tensor.clone() for name, tensor in model.state_dict().items()}))
+    opt4.train_one_epoch(run, None, 1, NO_MONITOR, 32)
+    record.remove()
+    for name in ("0.weight", "1.running_mean", "1.running_var"):
+        expected = states[0][name]
+        for state in states[1:]:
+            expected = 0.5 * expected + 0.5 * state[name]
+        assert torch.allclose(run.average[name], expected), name
+    assert "1.num_batches_tracked" not in run.average
+
+
+def test_ablation_nesterov_row_builds_sgd_where_opt4_builds_adamw(monkeypatch):
+    ablation.nesterov_sgd(monkeypatch.setattr)
+    optimizer = torch.optim.AdamW([nn.Parameter(torch.zeros(2))], lr=0.2, weight_decay=0.05, fused=False)
+    assert isinstance(optimizer, torch.optim.SGD)
+    assert optimizer.defaults | {"lr": 0.2, "momentum": 0.9, "nesterov": True, "weight_decay": 5e-4} == \
+        optimizer.defaults
+
+
+def test_ablation_shifts_move_the_image_one_pixel_and_reflect_the_edge():
+    images = torch.arange(16.0).view(1, 1, 4, 4)
+    up_left, down_right = ablation.shifted(images, -1, -1), ablation.shifted(images, 1, 1)
+    assert torch.equal(up_left[..., :3, :3], images[..., 1:, 1:])
+    assert torch.equal(down_right[..., 1:, 1:], images[..., :3, :3])
+    assert torch.equal(ablation.shifted(images, 0, 0), images)
+
+
+def test_ablation_runs_each_row_in_its_own_process_and_scores_three_ways(tmp_path):
+    out = tmp_path / "ablation.jsonl"
+    result = run_script("ablation.py", "--rows", "shipped", "ema", "alternating-flip", "--json", out, "--epochs", 2,
+                        "--train-size", 2048, "--batch-size", 64, "--no-compile", *SMALL)
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line["row"] for line in lines] == ["shipped", "ema", "alternating-flip"]
+    shipped = lines[0]
+    assert shipped["2_views"] == shipped["final_test_accuracy"], "2 views is opt4's own evaluation"
+    assert shipped["2_views"] > 0.3, "it learns (10 classes)"
+    for line in lines:
+        assert line["command"].startswith(f"python ablation.py --rows {line['row']} --epochs 2")
+        assert all(0 <= line[views] <= 1 for views in ("1_view", "2_views", "6_views"))
+        assert line["launch_to_result_6_views_seconds"] == line["launch_to_result_seconds"] + \
+            line["extra_view_seconds"] > line["launch_to_result_seconds"]
+        assert len(line["epochs"]) == 2 and line["epochs"][0]["test_images"] == 256
+    assert result.stdout.count("row shipped: test acc") == 1 and "3 rows appended" in result.stdout
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--rows", "nope"], "--rows: invalid choice: 'nope'"),
+    (["--epochs", "0"], "--epochs: must be a positive integer"),
+    (["--min-size", "12"], "--min-size: invalid choice: 12"),
+    (["--json", "{missing}/ablation.jsonl"], "cannot append to --json"),
+])
+def test_ablation_bad_input_exits_2_with_one_line_before_any_row(args, says, tmp_path):
+    args = [arg.replace("{missing}", str(tmp_path / "missing")) for arg in args]
+    result = run_script("ablation.py", *args, "--json", tmp_path / "out.jsonl", *SMALL) if "--json" not in args \
+        else run_script("ablation.py", *args, *SMALL)
+    assert result.returncode == 2 and result.stdout == "", result.stdout
+    assert result.stderr.count("\n") == 1 and says in result.stderr, result.stderr
+
+
+def test_ablation_help_names_every_row_and_its_flags_defaults():
+    result = run_script("ablation.py", "--help")
+    assert result.returncode == 0
+    text = re.sub(r"-\s+", "-", " ".join(result.stdout.split()))  # argparse wraps lines at hyphens
+    assert all(name in text for name in ablation.ROW_NAMES)
+    assert "--rows" in result.stdout and "(default: results/ablation.jsonl)" in result.stdout
+    assert "--row " not in result.stdout, "the per-process flag is internal"
 
 
 # ------------------------------------------------------------------------------------ plot.py

@@ -1,0 +1,257 @@
+"""ablation.py: opt4 with one technique switched per row, each row its own run, as data.
+
+    python ablation.py --data-dir ./data                 # every row on CIFAR-10: ~9 runs of opt4 -> results/ablation.jsonl
+    python ablation.py --rows shipped ema --synthetic --epochs 2 --train-size 2048 --json /tmp/ablation.jsonl
+    python plot.py --tables                              # the table, with the other results
+
+Each row runs opt4.py's own main() in a fresh process (launched as this one was) with one change applied from
+outside, so opt4.py keeps only what earns its place. After training, every row scores its final weights on the
+whole test set from 1 view per image, 2 (the image and its mirror: opt4's own evaluation) and 6 (both also
+shifted one pixel up-left and down-right: flip + translate test-time augmentation). Any flag not listed below is
+opt4.py's (see `python opt4.py --help`) and goes to every row. The rows run one after another: time them with
+nothing else running on the machine.
+"""
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import common
+import opt4
+
+
+# ------------------------------------------------------------------------- the techniques
+
+def zero_init_residuals(patch):
+    """Each block's last BatchNorm scale starts at 0, so each residual block starts as its shortcut alone."""
+    build = common.ResNet10
+
+    def model():
+        network = build()
+        for block in network.layers:
+            nn.init.zeros_(block.bn2.weight)
+        return network
+    patch(common, "ResNet10", model)
+
+
+def whitening_weights(images, eps=5e-4):
+    """54 3x3 filters that whiten the images' 3x3 patches: the patch covariance's eigenvectors, each scaled by
+    1/sqrt(its eigenvalue), and their negatives (so a ReLU after them loses nothing)."""
+    channels = images.shape[1]
+    patches = images.unfold(2, 3, 1).unfold(3, 3, 1).permute(0, 2, 3, 1, 4, 5).reshape(-1, channels * 9)
+    eigenvalues, eigenvectors = torch.linalg.eigh(torch.cov(patches.T.double()))
+    filters = (eigenvectors.T / (eigenvalues.clamp(min=0) + eps).sqrt().view(-1, 1)).view(-1, channels, 3, 3)
+    return torch.cat([filters, -filters]).float()
+
+
+def whitening_stem(patch, images_used=5000):
+    """The stem's convolution is frozen: 54 filters whiten 3x3 patches of training images, 10 stay random."""
+    load, build, loaded = opt4.load_to_device, common.ResNet10, []
+
+    def load_and_keep(dataset, device):
+        loaded.append(load(dataset, device))  # opt4 loads the training set first
+        return loaded[-1]
+
+    def model():
+        network = build()
+        stem = network.stem[0]
+        weights = whitening_weights(opt4.normalize(loaded[0][0][:images_used]).cpu())
+        with torch.no_grad():
+            stem.weight[:len(weights)] = weights.to(stem.weight.device)
+        stem.weight.requires_grad_(False)  # an optimizer skips a weight that gets no gradient
+        return network
+    patch(opt4, "load_to_device", load_and_keep)
+    patch(common, "ResNet10", model)
+
+
+def crop(images, generator):
+    """opt4.augment's random crop of the reflect-padded images, without its random flip."""
+    (batch, channels, height, width), device, pad = images.shape, images.device, common.CROP_PADDING
+    padded = F.pad(images, (pad, pad, pad, pad), mode="reflect")
+    top, left = torch.randint(0, 2 * pad + 1, (2, batch, 1), device=device, generator=generator)
+    rows, columns = top + torch.arange(height, device=device), left + torch.arange(width, device=device)
+    image_index = torch.arange(batch, device=device).view(batch, 1, 1, 1)
+    channel_index = torch.arange(channels, device=device).view(1, channels, 1, 1)
+    return padded[image_index, channel_index, rows.view(batch, 1, height, 1), columns.view(batch, 1, 1, width)]
+
+
+def alternating_flip(patch):
+    """Each image is mirrored in epoch 1 by a coin toss, then in every other epoch after it: over any two epochs
+    each image is seen both ways, where independent coins show a quarter of them the same way twice."""
+    train, first_flips = opt4.train_one_epoch, []
+
+    def train_one_epoch(run, train_data, epoch, monitor, size):
+        images, labels = train_data
+        if not first_flips:
+            generator = torch.Generator(run.device).manual_seed(run.args.seed)
+            first_flips.append(torch.rand(len(labels), device=run.device, generator=generator) < 0.5)
+        flips = first_flips[0] ^ (epoch % 2 == 0)
+        images = torch.where(flips.view(-1, 1, 1, 1), images.flip(3), images)
+        return train(run, (images, labels), epoch, monitor, size)
+    patch(opt4, "augment", crop)
+    patch(opt4, "train_one_epoch", train_one_epoch)
+
+
+def ema_of_the_weights(patch, decay=0.99):
+    """An exponential moving average of the weights and BatchNorm statistics, updated after every optimizer step;
+    the row scores the average, not the last weights (opt4's own per-epoch lines still show the last weights)."""
+    train = opt4.train_one_epoch
+
+    def train_one_epoch(run, train_data, epoch, monitor, size):
+        if not hasattr(run, "average"):
+            run.average = {name: tensor.detach().clone() for name, tensor in run.model.state_dict().items()
+                           if tensor.is_floating_point()}
+            current = {name: tensor for name, tensor in run.model.state_dict().items() if name in run.average}
+
+            def update(*_):
+                with torch.no_grad():
+                    for name, average in run.average.items():
+                        average.lerp_(current[name], 1 - decay)
+            run.optimizer.register_step_post_hook(update)
+        return train(run, train_data, epoch, monitor, size)
+    patch(opt4, "train_one_epoch", train_one_epoch)
+
+
+def nesterov_sgd(patch):
+    """SGD with Nesterov momentum 0.9 and weight decay 5e-4, the CIFAR-10 speed records' optimizer, in place of
+    AdamW (with --lr 0.2; OneCycleLR also cycles its momentum)."""
+    def sgd(parameters, lr, weight_decay, fused):
+        return torch.optim.SGD(parameters, lr=lr, momentum=0.9, nesterov=True, weight_decay=5e-4, fused=fused)
+    patch(torch.optim, "AdamW", sgd)
+
+
+# (row, opt4 flags, technique or None, what it changes)
+ROWS = [
+    ("shipped", [], None, "opt4 as shipped"),
+    ("no-resizing", ["--min-size", "32"], None, "progressive resizing off: 32x32 every epoch"),
+    ("full-eval", ["--monitor-size", str(common.CIFAR10_TEST_SIZE)], None,
+     "the whole test set after every epoch instead of the 1,000-image monitor"),
+    ("zero-init", [], zero_init_residuals, "zero-init of each residual block's last BatchNorm scale"),
+    ("whitening", [], whitening_stem, "frozen whitening stem (3x3 patch eigenvectors)"),
+    ("smoothing-0.2", ["--label-smoothing", "0.2"], None, "label smoothing 0.2 instead of 0.1"),
+    ("alternating-flip", [], alternating_flip, "alternating flip instead of a coin per image per epoch"),
+    ("ema", [], ema_of_the_weights, "EMA of the weights (decay 0.99 per step), scored instead of the last weights"),
+    ("nesterov", ["--lr", "0.2"], nesterov_sgd, "Nesterov SGD (lr 0.2, momentum 0.9, wd 5e-4) instead of AdamW"),
+]
+ROW_NAMES = [name for name, *_ in ROWS]
+
+
+# ----------------------------------------------------------------------------- the scoring
+
+def shifted(images, rows, columns):
+    """The images moved by `rows` and `columns` pixels (-1, 0 or 1), the uncovered edge filled by reflection."""
+    padded = F.pad(images, (1, 1, 1, 1), mode="reflect")
+    height, width = images.shape[-2:]
+    return padded[..., 1 - rows:1 - rows + height, 1 - columns:1 - columns + width]
+
+
+def score(run, test_data):
+    """Accuracy on `test_data` from 1, 2 and 6 views per image, and the seconds the 4 views beyond opt4's 2 took.
+
+    Views come in pairs (an image and its mirror) in one call, as in opt4's evaluate, so no new graph compiles.
+    """
+    run.model.eval()
+    all_images, all_labels = test_data
+    batch_size = run.args.batch_size
+    one_view, pairs, seconds = [], [], []  # per shift: the image's logits, and the mean of it and its mirror's
+    with torch.inference_mode():
+        for rows, columns in [(0, 0), (-1, -1), (1, 1)]:  # as is, one pixel up-left, one pixel down-right
+            start, firsts, means = common.now(run.device), [], []
+            for first in range(0, len(all_labels), batch_size):
+                count = min(batch_size, len(all_labels) - first)
+                images = opt4.normalize(all_images[first:first + count])
+                images = F.pad(images, (0, 0, 0, 0, 0, 0, 0, batch_size - count))  # a full batch, as in opt4
+                images = shifted(images, rows, columns).contiguous(memory_format=torch.channels_last)
+                with torch.autocast(run.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32):
+                    outputs = run.model(torch.cat([images, images.flip(3)])).view(2, batch_size, -1)[:, :count]
+                firsts.append(outputs[0].float())
+                means.append(outputs.mean(0).float())  # the mean in the autocast type, as opt4 takes it
+            one_view.append(torch.cat(firsts))
+            pairs.append(torch.cat(means))
+            seconds.append(common.now(run.device) - start)
+
+    def accuracy(logits):
+        return (logits.argmax(1) == all_labels).float().mean().item()
+    return {"1_view": accuracy(one_view[0]), "2_views": accuracy(pairs[0]),
+            "6_views": accuracy(torch.stack(pairs).mean(0)), "extra_view_seconds": sum(seconds[1:])}
+
+
+# -------------------------------------------------------------------------------- the runs
+
+def parse_args():
+    """ablation.py's own flags, and the rest: opt4.py's flags, which opt4's parser checks here, before any row."""
+    parser = common.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", nargs="+", choices=ROW_NAMES, default=ROW_NAMES, metavar="ROW",
+                        help=f"the rows to run, in this order, from: {' '.join(ROW_NAMES)} (default: all)")
+    parser.add_argument("--json", metavar="PATH", default="results/ablation.jsonl",
+                        help="append one JSON line per row: opt4's report and the row's scores "
+                             "(default: results/ablation.jsonl)")
+    parser.add_argument("--row", choices=ROW_NAMES, help=argparse.SUPPRESS)  # one row, in this process
+    args, opt4_flags = parser.parse_known_args()
+    command_line = sys.argv
+    sys.argv = ["opt4.py", *opt4_flags]
+    try:
+        opt4.parse_args()  # a bad flag exits 2 with opt4's one line
+    finally:
+        sys.argv = command_line
+    try:
+        Path(args.json).open("a").close()
+    except OSError as error:
+        common.fail(f"cannot append to --json {args.json} ({error.strerror}); give a path in a folder that exists")
+    return args, opt4_flags
+
+
+def run_row(name, opt4_flags, json_path):
+    """Apply the row's technique in this process, run opt4's main(), score the final weights, append one line."""
+    _, row_flags, technique, change = ROWS[ROW_NAMES.index(name)]
+    if technique is not None:
+        technique(setattr)
+    evaluate, last_evaluation = opt4.evaluate, []
+
+    def evaluate_and_keep(run, test_data, size):
+        last_evaluation[:] = [run, test_data]  # the last call evaluates the whole test set after training
+        return evaluate(run, test_data, size)
+    opt4.evaluate = evaluate_and_keep
+    with tempfile.TemporaryDirectory() as folder:
+        report_path = Path(folder) / "opt4.jsonl"
+        sys.argv = [sys.argv[0], *opt4_flags, *row_flags, "--json", str(report_path)]
+        opt4.main()
+        report = json.loads(report_path.read_text())
+    run, test_data = last_evaluation
+    if hasattr(run, "average"):
+        run.model.load_state_dict(run.average, strict=False)
+    scores = score(run, test_data)
+    with_extra_views = report["launch_to_result_seconds"] + scores["extra_view_seconds"]
+    print(f"row {name}: test acc {100 * scores['1_view']:.2f}% from 1 view, {100 * scores['2_views']:.2f}% from 2, "
+          f"{100 * scores['6_views']:.2f}% from 6 (+{scores['extra_view_seconds']:.0f} s) | "
+          f"{report['launch_to_result_seconds']:.0f} s from launch to result", flush=True)
+    line = {**report, "command": shlex.join(["python", "ablation.py", "--rows", name, *opt4_flags]), "row": name,
+            "change": change, **scores, "launch_to_result_6_views_seconds": with_extra_views}
+    with open(json_path, "a") as file:
+        file.write(json.dumps(line) + "\n")
+
+
+def main():
+    args, opt4_flags = parse_args()
+    if args.row is not None:
+        return run_row(args.row, opt4_flags, args.json)
+    # Each row in a fresh process, launched as this one was: python and any wrapper script before ablation.py
+    launcher = [sys.executable, *sys.orig_argv[1:len(sys.orig_argv) - len(sys.argv)]]
+    for number, name in enumerate(args.rows, 1):
+        print(f"\n== row {number}/{len(args.rows)}: {name}: {ROWS[ROW_NAMES.index(name)][3]}", flush=True)
+        returncode = subprocess.run([*launcher, __file__, "--row", name, "--json", args.json, *opt4_flags]).returncode
+        if returncode != 0:
+            common.fail(f"row {name} ended with exit code {returncode}; the rows before it are in {args.json}",
+                        code=returncode)
+    print(f"\n{len(args.rows)} rows appended to {args.json}; `python plot.py --tables` prints them as a table")
+
+
+if __name__ == "__main__":
+    main()
