@@ -1,7 +1,7 @@
 """plot.py: draw the README's figure from the measured data in results/.
 
     python plot.py            # results/{chain-5-epochs,ladder,convergence,curve}.jsonl -> results/chain.png
-    python plot.py --tables   # the same data as the markdown tables of results/README.md
+    python plot.py --tables   # the same data, and ablation.py's rows, as the markdown tables of results/README.md
 
 Three panels: test accuracy per epoch of each script on real CIFAR-10; steady images/s of each
 rung of the ladder (benchmark.py --ladder), with the machine's bf16 matmul peak for reference; and
@@ -33,6 +33,11 @@ def parse_args():
     parser.add_argument("--curve", default="results/curve.jsonl",
                         help="real-data runs of opt3.py and opt4.py at several --epochs, one CPU, one sitting "
                              "(default: results/curve.jsonl)")
+    parser.add_argument("--seeds", default="results/seeds.jsonl",
+                        help="real-data runs of opt3.py and opt4.py at their default --epochs with seeds other than "
+                             "the curve's (default: results/seeds.jsonl)")
+    parser.add_argument("--ablation", default="results/ablation.jsonl",
+                        help="ablation.py's rows, for --tables (default: results/ablation.jsonl)")
     parser.add_argument("--out", default="results/chain.png", help="the PNG to write (default: results/chain.png)")
     parser.add_argument("--tables", action="store_true", help="print markdown tables instead of drawing (default: off)")
     return parser.parse_args()
@@ -83,9 +88,9 @@ def latest_ladder(lines):
     return summaries[-1]
 
 
-def markdown_tables(runs, ladder, convergence, curve):
-    """Accuracy per epoch of each script's run, each ladder rung's steady speed, the convergence runs, and the
-    curves with what they say."""
+def markdown_tables(runs, ladder, convergence, curve, seeds, ablation):
+    """Accuracy per epoch of each script's run, each ladder rung's steady speed, the convergence runs, the
+    curves with what they and the other seeds say, and the ablation."""
     epochs = max(len(run["epochs"]) for run in runs)
     lines = ["| script | " + " | ".join(f"epoch {epoch}" for epoch in range(1, epochs + 1))
              + " | training minutes | steady images/s |", "|---" * (epochs + 3) + "|"]
@@ -102,8 +107,46 @@ def markdown_tables(runs, ladder, convergence, curve):
                      f"| {row['tflops']:.3f} | {common.shown(row['percent_of_bf16_peak'], '.0f')} |")
     opt3_minutes = [run["launch_to_result_seconds"] / 60 for run in convergence if run["script"] == "opt3.py"]
     lines += ["", *timed_runs_table(convergence, statistics.mean(opt3_minutes) if opt3_minutes else None)]
-    lines += ["", *timed_runs_table(curve, opt3_default_minutes(curve)), "", *curve_summary(curve)]
+    lines += ["", *timed_runs_table(curve, opt3_default_minutes(curve)), "", *curve_summary(curve),
+              *seeds_summary(curve, seeds)]
+    lines += ["", *ablation_table(ablation), "", extra_views_summary(ablation, curve)]
     return "\n".join(lines)
+
+
+def ablation_rows(lines):
+    """The last real-CIFAR-10 line of each ablation.py row, in the order the rows first appear."""
+    rows = {line["row"]: line for line in lines if line.get("data") == "cifar10" and "row" in line}
+    if "shipped" not in rows:
+        common.fail("no real-CIFAR-10 `shipped` row in --ablation; make it with python ablation.py")
+    return list(rows.values())
+
+
+def ablation_table(rows):
+    """Markdown lines: each row's change, its accuracy three ways, its time and its monitor after each epoch."""
+    shipped = next(row for row in rows if row["row"] == "shipped")
+    lines = ["| row | change | test acc % (2 views, opt4's) | vs shipped | 1 view | 6 views | launch to result min "
+             "| 6 views: + s | test acc % after each epoch but the last (images) |", "|---" * 9 + "|"]
+    for row in rows:
+        monitor = ", ".join(f"{100 * record['test_accuracy']:.1f}" for record in row["epochs"][:-1])
+        lines.append(f"| {row['row']} | {row['change']} | {100 * row['2_views']:.2f} "
+                     f"| {100 * (row['2_views'] - shipped['2_views']):+.2f} | {100 * row['1_view']:.2f} "
+                     f"| {100 * row['6_views']:.2f} | {row['launch_to_result_seconds'] / 60:.1f} "
+                     f"| {row['extra_view_seconds']:.0f} | {monitor} ({row['epochs'][0].get('test_images')}) |")
+    return lines
+
+
+def extra_views_summary(rows, curve):
+    """One sentence: what flip + translate views buy opt4 as shipped, against the same seconds spent training
+    (read off opt4's curve from its default --epochs)."""
+    shipped = next(row for row in rows if row["row"] == "shipped")
+    gain, seconds = 100 * (shipped["6_views"] - shipped["2_views"]), shipped["extra_view_seconds"]
+    opt4 = curve_points(curve, "opt4.py")
+    start = next((point for point in opt4 if point[2] == DEFAULT_EPOCHS), None)
+    trained = start and interpolate(opt4, start[0] + seconds / 60)
+    training = "not measured (opt4's curve does not reach that far)" if trained is None else \
+        f"{trained - start[1]:+.1f} points (interpolated on opt4's curve from `--epochs {DEFAULT_EPOCHS}`)"
+    return (f"- Flip + translate test-time views (6 per image instead of opt4's 2) add {gain:+.1f} points to opt4 as "
+            f"shipped for {seconds:.0f} s; the same seconds spent training: {training}.")
 
 
 def timed_runs_table(runs, reference_minutes):
@@ -177,6 +220,28 @@ def curve_summary(runs):
     return lines
 
 
+def seeds_summary(curve, seeds):
+    """Two sentences: each script's accuracy at its default --epochs per seed, with mean and spread; and where
+    opt4's seed-0 curve reaches opt3's mean."""
+    means, parts = {}, []
+    for script in CONVERGENCE:
+        accuracies = {run["settings"]["seed"]: 100 * run["final_test_accuracy"] for run in curve + seeds
+                      if run["script"] == script and len(run["epochs"]) == DEFAULT_EPOCHS}
+        means[script] = statistics.mean(accuracies.values())
+        listed = ", ".join(f"{accuracies[seed]:.2f}" for seed in sorted(accuracies))
+        parts.append(f"{script[:-3]} {listed} % (seeds {', '.join(map(str, sorted(accuracies)))}: mean "
+                     f"{means[script]:.2f}, spread {max(accuracies.values()) - min(accuracies.values()):.2f} points)")
+    lines = [f"- At `--epochs {DEFAULT_EPOCHS}`: " + "; ".join(parts) + "."]
+    target, opt3_minutes = means["opt3.py"], opt3_default_minutes(curve)
+    reached = first_reach(curve_points(curve, "opt4.py"), target)
+    if reached is None or opt3_minutes is None:
+        lines.append(f"- opt4's seed-0 curve does not reach opt3's mean ({target:.2f} %) within its runs.")
+    else:
+        lines.append(f"- opt4's seed-0 curve reaches opt3's mean ({target:.2f} %) at {reached:.1f} min (interpolated): "
+                     f"{reached / opt3_minutes:.0%} of opt3's seed-0 time.")
+    return lines
+
+
 def draw(runs, ladder, curve, out):
     import matplotlib
     matplotlib.use("Agg")  # files only, no window
@@ -236,7 +301,8 @@ def main():
     convergence = convergence_runs(read_lines(args.convergence))
     curve = convergence_runs(read_lines(args.curve))
     if args.tables:
-        print(markdown_tables(runs, ladder, convergence, curve))
+        seeds = convergence_runs(read_lines(args.seeds))
+        print(markdown_tables(runs, ladder, convergence, curve, seeds, ablation_rows(read_lines(args.ablation))))
         return
     try:
         import matplotlib  # noqa: F401  (imported here so a missing install is one clear line)

@@ -1111,10 +1111,11 @@ def write_plot_fixture(folder):
             for name, speed in [("baseline", 100.0), ("opt3", 300.0)]]
     ladder = {"benchmark": "ladder", "bf16_peak_tflops": 1.2, "rows": rows}
 
-    def timed_run(script, flags, sizes, launch_minutes, accuracy):
+    def timed_run(script, flags, sizes, launch_minutes, accuracy, seed=0):
         epochs = [{"epoch": epoch, "test_accuracy": accuracy, "launch_seconds": 60 * minutes, "image_size": size}
                   for epoch, (size, minutes) in enumerate(zip(sizes, launch_minutes), start=1)]
         return {"script": script, "data": "cifar10", "cpu": "Test CPU (AMX)", "final_test_accuracy": accuracy,
+                "settings": {"seed": seed},
                 "command": f"python {script} {flags} --data-dir /tmp/cifar10 --json results/convergence.jsonl",
                 "launch_to_result_seconds": epochs[-1]["launch_seconds"], "epochs": epochs}
 
@@ -1126,10 +1127,25 @@ def write_plot_fixture(folder):
              timed_run("opt3.py", "--epochs 2", [32] * 2, [5, 10.0], 0.75),
              timed_run("opt4.py", "--epochs 5", [16, 16, 24, 24, 32], [2, 4, 7, 10, 15.0], 0.82),
              timed_run("opt3.py", "--epochs 5", [32] * 5, [5, 10, 15, 20, 25.0], 0.85)]
-    for name, lines in (("runs", runs), ("ladder", [ladder]), ("convergence", convergence), ("curve", curve)):
+    seeds = [timed_run("opt3.py", "--epochs 5 --seed 1", [32] * 5, [5, 10, 15, 20, 26.0], 0.84, seed=1),
+             timed_run("opt4.py", "--epochs 5 --seed 1", [16, 16, 24, 24, 32], [2, 4, 7, 10, 15.0], 0.83, seed=1),
+             timed_run("opt3.py", "--epochs 4 --seed 1", [32] * 4, [5, 10, 15, 20.0], 0.8, seed=1)]
+
+    def ablation_row(row, change, views, monitor, synthetic=False):
+        epochs = [{"test_accuracy": monitor, "test_images": 1000}, {"test_accuracy": views[1], "test_images": 10000}]
+        return {"row": row, "change": change, "data": "synthetic" if synthetic else "cifar10", "epochs": epochs,
+                "1_view": views[0], "2_views": views[1], "6_views": views[2], "extra_view_seconds": 60.0,
+                "launch_to_result_seconds": 900.0}
+
+    ablation = [ablation_row("shipped", "opt4 as shipped", [0.81, 0.82, 0.83], 0.6),
+                ablation_row("ema", "EMA of the weights", [0.8, 0.81, 0.82], 0.55),
+                ablation_row("ema", "EMA of the weights", [0.1, 0.1, 0.1], 0.1, synthetic=True)]
+    for name, lines in (("runs", runs), ("ladder", [ladder]), ("convergence", convergence), ("curve", curve),
+                        ("seeds", seeds), ("ablation", ablation)):
         (folder / f"{name}.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     return ["--runs", folder / "runs.jsonl", "--ladder", folder / "ladder.jsonl",
-            "--convergence", folder / "convergence.jsonl", "--curve", folder / "curve.jsonl"]
+            "--convergence", folder / "convergence.jsonl", "--curve", folder / "curve.jsonl",
+            "--seeds", folder / "seeds.jsonl", "--ablation", folder / "ablation.jsonl"]
 
 
 def test_plot_draws_the_figure_from_json_lines(tmp_path):
@@ -1176,6 +1192,27 @@ def test_plot_reads_opt4_against_opt3_at_equal_time_off_the_curves(tmp_path):
     # 85 % on opt4's curve: 15 + (18 - 15) x (85 - 82) / (86 - 82) = 17.25 minutes, 69 % of opt3's 25
     assert "opt4 reaches opt3's `--epochs 5` accuracy (85.0 % in 25.0 min) at 17.2 min (interpolated): 69% of " \
            "opt3's time." in result.stdout
+
+
+def test_plot_gives_each_scripts_seeds_their_mean_and_spread_and_reads_opt3s_mean_off_opt4s_curve(tmp_path):
+    result = run_script("plot.py", "--tables", *write_plot_fixture(tmp_path))
+    assert result.returncode == 0, result.stderr
+    # Only runs at --epochs 5 count: opt3 85 (seed 0) and 84 (seed 1), opt4 82 and 83
+    assert "- At `--epochs 5`: opt3 85.00, 84.00 % (seeds 0, 1: mean 84.50, spread 1.00 points); opt4 82.00, " \
+           "83.00 % (seeds 0, 1: mean 82.50, spread 1.00 points)." in result.stdout
+    # 84.5 % on opt4's seed-0 curve: 15 + (18 - 15) x (84.5 - 82) / (86 - 82) = 16.9 minutes, 68 % of opt3's 25
+    assert "- opt4's seed-0 curve reaches opt3's mean (84.50 %) at 16.9 min (interpolated): 68% of opt3's seed-0 " \
+           "time." in result.stdout
+
+
+def test_plot_tables_the_ablation_against_the_shipped_row_and_extra_views_against_training(tmp_path):
+    result = run_script("plot.py", "--tables", *write_plot_fixture(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "| shipped | opt4 as shipped | 82.00 | +0.00 | 81.00 | 83.00 | 15.0 | 60 | 60.0 (1000) |" in result.stdout
+    assert "| ema | EMA of the weights | 81.00 | -1.00 | 80.00 | 82.00 | 15.0 | 60 | 55.0 (1000) |" in result.stdout
+    # 60 s more training from opt4 --epochs 5 (82 % at 15 min) on its curve to --epochs 6 (86 % at 18 min): +1.3
+    assert "add +1.0 points to opt4 as shipped for 60 s; the same seconds spent training: +1.3 points" \
+        in result.stdout
 
 
 def test_plot_curve_summary_says_what_the_curves_do_not_reach():
@@ -1242,16 +1279,19 @@ def test_readme_figures_are_the_measured_data():
     for script, run in runs.items():
         accuracies = " | ".join(f"{100 * epoch['test_accuracy']:.1f}" for epoch in run["epochs"])
         assert f"| `{script}` | {accuracies} |" in results_page, script
-    # The convergence table on the results page, and the curves' table and what they say on both pages, are
-    # plot.py's from the timed runs (launch-to-result minutes).
+    # The convergence table and the ablation's on the results page, and the curves' table, what they and the seeds
+    # say, and what extra test-time views buy, on both pages, are plot.py's from the timed runs.
     convergence = plot.convergence_runs(json_lines("convergence.jsonl"))
-    curve = plot.convergence_runs(json_lines("curve.jsonl"))
-    tables = plot.markdown_tables(list(runs.values()), bf16_ladder, convergence, curve).split("\n\n")
+    curve, seeds = plot.convergence_runs(json_lines("curve.jsonl")), plot.convergence_runs(json_lines("seeds.jsonl"))
+    ablation_rows = plot.ablation_rows(json_lines("ablation.jsonl"))
+    tables = plot.markdown_tables(list(runs.values()), bf16_ladder, convergence, curve, seeds,
+                                  ablation_rows).split("\n\n")
     assert {run["script"] for run in convergence} == {run["script"] for run in curve} == {"opt3.py", "opt4.py"}
-    for line in tables[2].splitlines():
+    assert [row["row"] for row in ablation_rows] == ablation.ROW_NAMES, "every row of ablation.py, in its order"
+    for line in "\n".join(tables[2:]).splitlines():
         assert line in results_page, line
-    for line in "\n".join(tables[3:]).splitlines():
-        assert line in readme and line in results_page, line
+    for line in "\n".join(tables[3:5] + tables[6:]).splitlines():
+        assert line in readme, line
     # opt5's accuracy is its two-process run's.
     data_parallel = json_lines("data-parallel.jsonl")[-1]
     assert data_parallel["script"] == "opt5.py" and data_parallel["world_size"] == 2
