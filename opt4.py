@@ -129,8 +129,8 @@ def train_one_epoch(run, train_data, epoch, monitor, size):
     for micro_step, indices in enumerate(batches[: steps * accum_steps]):
         # opt3: normalize, crop and flip the whole batch on the device; channels_last for the model
         images = augment(normalize(all_images[indices]), run.generator)
-        # opt4: progressive resizing: a convolution's work scales with the pixels, so a 16x16 epoch costs about a
-        # quarter of a 32x32 one; ResNet10 pools globally, so it takes any size, and the last epochs teach it 32x32
+        # opt4: progressive resizing: a convolution's work scales with the pixels, so a 16x16 epoch has a quarter of a
+        # 32x32 one's; ResNet10 pools globally, so it takes any size, and the last epochs teach it 32x32
         images = downscale(images, size).contiguous(memory_format=torch.channels_last)
         labels = all_labels[indices]
         # opt1: autocast runs convolutions in 16-bit where it is native: half the memory traffic, tensor cores

@@ -193,8 +193,8 @@ def train_one_epoch(run, train_data, epoch, monitor, size):
     for micro_step, indices in enumerate(batches[: steps * accum_steps]):
         # opt3: normalize, crop and flip the whole batch on the device; channels_last for the model
         images = augment(normalize(all_images[indices]), run.augment_generator)
-        # opt4: progressive resizing: a convolution's work scales with the pixels, so a 16x16 epoch costs about a
-        # quarter of a 32x32 one; ResNet10 pools globally, so it takes any size, and the last epochs teach it 32x32
+        # opt4: progressive resizing: a convolution's work scales with the pixels, so a 16x16 epoch has a quarter of a
+        # 32x32 one's; ResNet10 pools globally, so it takes any size, and the last epochs teach it 32x32
         images = downscale(images, size).contiguous(memory_format=torch.channels_last)
         labels = all_labels[indices]
         # opt5: DDP all-reduces the gradients in the backward of a step's last micro-batch only (as no_sync() does)

@@ -1148,6 +1148,13 @@ def write_plot_fixture(folder):
             "--seeds", folder / "seeds.jsonl", "--ablation", folder / "ablation.jsonl"]
 
 
+def plot_tables(folder):
+    """What `plot.py --tables` prints for the fixture's data, written to `folder`."""
+    result = run_script("plot.py", "--tables", *write_plot_fixture(folder))
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
 def test_plot_draws_the_figure_from_json_lines(tmp_path):
     pytest.importorskip("matplotlib", reason="plot.py needs matplotlib (pip install -r requirements.txt)")
     data = write_plot_fixture(tmp_path)
@@ -1171,48 +1178,44 @@ def test_plot_draws_and_tables_a_ladder_from_a_cpu_without_a_bfloat16_unit(tmp_p
 
 
 def test_plot_tables_print_the_latest_real_data_run_of_each_script(tmp_path):
-    result = run_script("plot.py", "--tables", *write_plot_fixture(tmp_path))
-    assert result.returncode == 0, result.stderr
-    assert "| `baseline.py` | 40.0 | 50.0 | 2.0 | 100 |" in result.stdout
-    assert "| `opt3.py` | 60.0 | 80.0 | 2.0 | 100 |" in result.stdout  # the synthetic run is not the data
-    assert "| opt3 | 300 | 1000.0 | 0.5 | 1.00 | 0.450 | 38 |" in result.stdout
+    tables = plot_tables(tmp_path)
+    assert "| `baseline.py` | 40.0 | 50.0 | 2.0 | 100 |" in tables
+    assert "| `opt3.py` | 60.0 | 80.0 | 2.0 | 100 |" in tables  # the synthetic run is not the data
+    assert "| opt3 | 300 | 1000.0 | 0.5 | 1.00 | 0.450 | 38 |" in tables
     # Each timed run against the mean of opt3's (21 minutes); the flags without the data and JSON paths
-    assert "| `opt3.py` | `--epochs 2` | 32, 32 | 80.0 | 20.0 | 95% |" in result.stdout
-    assert "| `opt4.py` | `--epochs 2 --seed 1` | 16, 32 | 82.5 | 10.5 | 50% |" in result.stdout
+    assert "| `opt3.py` | `--epochs 2` | 32, 32 | 80.0 | 20.0 | 95% |" in tables
+    assert "| `opt4.py` | `--epochs 2 --seed 1` | 16, 32 | 82.5 | 10.5 | 50% |" in tables
 
 
 def test_plot_reads_opt4_against_opt3_at_equal_time_off_the_curves(tmp_path):
-    result = run_script("plot.py", "--tables", *write_plot_fixture(tmp_path))
-    assert result.returncode == 0, result.stderr
+    tables = plot_tables(tmp_path)
     # Each curve run against opt3 --epochs 5 (25 minutes)
-    assert "| `opt4.py` | `--epochs 6` | 16, 16, 16, 24, 24, 32 | 86.0 | 18.0 | 72% |" in result.stdout
+    assert "| `opt4.py` | `--epochs 6` | 16, 16, 16, 24, 24, 32 | 86.0 | 18.0 | 72% |" in tables
     # opt3 at opt4's 15 minutes: 75 + (85 - 75) x (15 - 10) / (25 - 10) = 78.3 %
     assert "opt4 reaches 82.0 % in 15.0 min; opt3 trained for the same time: 78.3 % (interpolated), so opt4 is " \
-           "+3.7 points ahead." in result.stdout
+           "+3.7 points ahead." in tables
     # 85 % on opt4's curve: 15 + (18 - 15) x (85 - 82) / (86 - 82) = 17.25 minutes, 69 % of opt3's 25
     assert "opt4 reaches opt3's `--epochs 5` accuracy (85.0 % in 25.0 min) at 17.2 min (interpolated): 69% of " \
-           "opt3's time." in result.stdout
+           "opt3's time." in tables
 
 
 def test_plot_gives_each_scripts_seeds_their_mean_and_spread_and_reads_opt3s_mean_off_opt4s_curve(tmp_path):
-    result = run_script("plot.py", "--tables", *write_plot_fixture(tmp_path))
-    assert result.returncode == 0, result.stderr
+    tables = plot_tables(tmp_path)
     # Only runs at --epochs 5 count: opt3 85 (seed 0) and 84 (seed 1), opt4 82 and 83
     assert "- At `--epochs 5`: opt3 85.00, 84.00 % (seeds 0, 1: mean 84.50, spread 1.00 points); opt4 82.00, " \
-           "83.00 % (seeds 0, 1: mean 82.50, spread 1.00 points)." in result.stdout
+           "83.00 % (seeds 0, 1: mean 82.50, spread 1.00 points)." in tables
     # 84.5 % on opt4's seed-0 curve: 15 + (18 - 15) x (84.5 - 82) / (86 - 82) = 16.9 minutes, 68 % of opt3's 25
     assert "- opt4's seed-0 curve reaches opt3's mean (84.50 %) at 16.9 min (interpolated): 68% of opt3's seed-0 " \
-           "time." in result.stdout
+           "time." in tables
 
 
 def test_plot_tables_the_ablation_against_the_shipped_row_and_extra_views_against_training(tmp_path):
-    result = run_script("plot.py", "--tables", *write_plot_fixture(tmp_path))
-    assert result.returncode == 0, result.stderr
-    assert "| shipped | opt4 as shipped | 82.00 | +0.00 | 81.00 | 83.00 | 15.0 | 60 | 60.0 (1000) |" in result.stdout
-    assert "| ema | EMA of the weights | 81.00 | -1.00 | 80.00 | 82.00 | 15.0 | 60 | 55.0 (1000) |" in result.stdout
+    tables = plot_tables(tmp_path)
+    assert "| shipped | opt4 as shipped | 82.00 | +0.00 | 81.00 | 83.00 | 15.0 | 60 | 60.0 (1000) |" in tables
+    assert "| ema | EMA of the weights | 81.00 | -1.00 | 80.00 | 82.00 | 15.0 | 60 | 55.0 (1000) |" in tables
     # 60 s more training from opt4 --epochs 5 (82 % at 15 min) on its curve to --epochs 6 (86 % at 18 min): +1.3
     assert "add +1.0 points to opt4 as shipped for 60 s; the same seconds spent training: +1.3 points" \
-        in result.stdout
+        in tables
 
 
 def test_plot_curve_summary_says_what_the_curves_do_not_reach():
