@@ -55,7 +55,7 @@ def evaluate(run, loader):
 
 def main():
     args = parse_args()
-    device = common.pick_device(args.device)
+    device = common.pick_device(args)
     common.print_settings(__file__, device, args)
     torch.manual_seed(args.seed)
 

@@ -6,23 +6,29 @@ the command line, and the timing and reporting code. The optimizations live in t
 import argparse
 import contextlib
 import datetime
+import functools
+import importlib.metadata
+import inspect
+import io
 import json
+import logging
 import math
 import os
 import platform
+import re
 import shlex
 import sys
 import time
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import torchvision
 from PIL import Image
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.flop_counter import FlopCounterMode
-from torchvision import transforms
 
 try:
     import resource  # Unix only: peak memory of this process
@@ -94,18 +100,24 @@ class ResNet10(nn.Module):
 
 # ----------------------------------------------------------------------------------- transforms
 
+# torchvision is imported where it is used: it takes a second to import (it imports torch.compile's machinery),
+# which --help, a bad flag or a verdict on the machine need not wait for.
+
 def plain_transform():
     """PIL image -> float tensor in [0, 1]."""
+    from torchvision import transforms
     return transforms.ToTensor()
 
 
 def normalized_transform():
     """PIL image -> float tensor with zero mean and unit variance per channel."""
+    from torchvision import transforms
     return transforms.Compose([transforms.ToTensor(), transforms.Normalize(CIFAR10_MEAN, CIFAR10_STD)])
 
 
 def augmented_transform():
     """Random 32x32 crop of the padded image (CROP_PADDING pixels) and a random horizontal flip, then normalize."""
+    from torchvision import transforms
     return transforms.Compose([
         transforms.RandomCrop(32, padding=CROP_PADDING, padding_mode="reflect"),
         transforms.RandomHorizontalFlip(),
@@ -151,6 +163,7 @@ def synthetic_cifar10(size, train, transform, noise=0.45):
 
 def cifar10(data_dir, train, transform):
     """torchvision's CIFAR10 from `data_dir`, downloaded there if missing; exit 2 if that fails."""
+    import torchvision
     try:
         return torchvision.datasets.CIFAR10(data_dir, train=train, transform=transform)
     except RuntimeError:
@@ -261,17 +274,6 @@ def print_settings(script, device, args):
     print(f"{Path(script).name} on {device}: {settings}")
 
 
-def pick_device(name):
-    """torch.device for --device; auto prefers CUDA and says so when it falls back to the CPU."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-        if name == "cpu":
-            print("no CUDA GPU found: running on the CPU (slow; the scripts target CUDA)")
-    if name == "cuda" and not torch.cuda.is_available():
-        fail("--device cuda was asked for, but torch sees no CUDA GPU; use --device cpu")
-    return torch.device(name)
-
-
 def fail(message, code=2):
     """End the run with one line on stderr and exit code `code` (2: bad input)."""
     print(f"error: {message}", file=sys.stderr)
@@ -283,6 +285,153 @@ def check_finite(loss_value, epoch, step):
     if not math.isfinite(loss_value):
         fail(f"loss is {loss_value} at epoch {epoch}, step {step}: training diverged; "
              f"try a lower --lr", code=1)
+
+
+# ------------------------------------------------ the machine and its torch: GPU, driver, compiler
+
+# The oldest torch the scripts run right on: requirements.txt's floor, which CI trains every script on
+OLDEST_TORCH = (2, 6)
+# PyTorch's own index of CUDA 12.6 builds: they run on NVIDIA drivers from 525 on and have kernels for sm_50 to sm_90
+CUDA_12_INDEX = "https://download.pytorch.org/whl/cu126"
+# The oldest NVIDIA driver each CUDA major version runs on (with CUDA's minor version compatibility)
+MIN_DRIVER = {11: 450, 12: 525, 13: 580}
+
+
+def pick_device(args):
+    """torch.device for --device, once this machine is known to run the script as asked.
+
+    Each verdict is one line, before any data is loaded: a torch older than the floor ends the run (exit 2); auto
+    falls back to the CPU and says why (no GPU, a CPU-only torch, a driver too old for this torch's CUDA) and what to
+    do; a GPU this torch has no kernels for ends the run; a script that compiles (--compile) tries a tiny compile
+    first and, where that fails, says why and runs eager (args.compile becomes False, so the report says so).
+    """
+    check_torch_version()
+    name = args.device
+    if name in ("auto", "cuda"):
+        reason, remedy = why_no_cuda()
+        if reason is None:
+            name = "cuda"
+            check_gpu_architectures()
+        elif name == "cuda":
+            fail(f"--device cuda: {reason}; {remedy + ', or ' if remedy else ''}use --device cpu")
+        else:
+            name = "cpu"
+            print(f"{reason}: running on the CPU (slow; the scripts target CUDA)" + (f"; {remedy}" if remedy else ""))
+    device = torch.device(name)
+    if getattr(args, "compile", False):
+        problem = compile_problem(device)
+        if problem is not None:
+            print(f"torch.compile cannot work here: {problem}; running eager instead (as --no-compile)")
+            args.compile = False
+    return device
+
+
+def check_torch_version():
+    """Exit 2 on a torch older than OLDEST_TORCH (a cluster's or a notebook's own, say), which would fail mid-run."""
+    version = tuple(int(number) for number in re.findall(r"\d+", torch.__version__)[:2])  # 2.6.0a0+git...: (2, 6)
+    if version < OLDEST_TORCH:
+        oldest = ".".join(map(str, OLDEST_TORCH))
+        fail(f"torch {torch.__version__} is older than {oldest}, the oldest these scripts run on: pip install "
+             f"'torch>={oldest}' (a build for your GPU: https://pytorch.org/get-started/locally)")
+
+
+def why_no_cuda():
+    """(None, None) where torch can use a CUDA GPU, else (why not, what to do or None), in words for the log."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        available = torch.cuda.is_available()  # torch warns here when the driver is there but CUDA cannot start
+    if available:
+        return None, None
+    if sys.platform == "darwin":
+        return "macOS has no CUDA", None  # and the scripts do not use Apple's GPU (MPS)
+    if torch.version.cuda is None and torch.version.hip is None:
+        return (f"this torch ({torch.__version__}) is a CPU-only build",
+                f"for an NVIDIA GPU, install a CUDA build: pip install {this_torch()} --index-url {CUDA_12_INDEX}")
+    warning = next((str(w.message) for w in caught if "driver" in str(w.message).lower()), "")
+    found = re.search(r"too old \(found version (\d+)\)", warning)
+    if found:
+        driver_cuda = int(found.group(1))  # the newest CUDA the driver runs, as 1000 x major + 10 x minor
+        major = int(torch.version.cuda.split(".")[0])
+        return (f"a GPU is here, but its NVIDIA driver is too old for this torch's CUDA {torch.version.cuda} "
+                f"(it runs CUDA {driver_cuda // 1000}.{driver_cuda % 1000 // 10} at most)",
+                f"update the driver to {MIN_DRIVER.get(major, 'a newer one')} or newer, or install the CUDA 12 build "
+                f"of this torch: pip install {this_torch()} --index-url {CUDA_12_INDEX}")
+    return "torch sees no CUDA GPU", None
+
+
+def this_torch():
+    """This torch and torchvision as pip requirements, without the build tag: torch==2.15.0 torchvision==0.29.2."""
+    versions = [importlib.metadata.version(name).split("+")[0] for name in ("torch", "torchvision")]
+    return f"torch=={versions[0]} torchvision=={versions[1]}"
+
+
+def check_gpu_architectures():
+    """Exit 2 naming a visible GPU this torch has no kernels for (nor PTX to build them from), and the remedy."""
+    architectures = torch.cuda.get_arch_list()  # e.g. sm_75 ... sm_120: kernels; compute_90: PTX the driver compiles
+    if not architectures or torch.version.cuda is None:  # a build that does not say (ROCm, some source builds)
+        return
+    for index in range(torch.cuda.device_count()):
+        major, minor = torch.cuda.get_device_capability(index)
+        capability = 10 * major + minor
+        numbers = [(arch.split("_")[0], int(re.sub(r"\D", "", arch.split("_")[1]))) for arch in architectures]
+        # A kernel built for sm_XY runs on sm_XZ for Z >= Y; PTX for compute_XY is compiled for any newer GPU.
+        if any(kind == "sm" and number // 10 == major and number <= capability or
+               kind == "compute" and number <= capability for kind, number in numbers):
+            continue
+        remedy = (f"install the CUDA 12.6 build of this torch, which has sm_50 to sm_90: pip install {this_torch()} "
+                  f"--index-url {CUDA_12_INDEX}" if capability < 75 else
+                  "install a newer torch built for it (https://pytorch.org/get-started/locally)")
+        fail(f"GPU {index} ({torch.cuda.get_device_name(index)}) is sm_{capability}, and this torch "
+             f"({torch.__version__}) has kernels for {' '.join(architectures)} only: {remedy}; or use --device cpu")
+
+
+# Why torch.compile failed, by the exception (or the words) that say so, and what to install
+COMPILE_FAILURES = {
+    "InvalidCxxCompiler": "no C++ compiler for its CPU kernels; install {compiler}",
+    "CppCompileError": "the C++ compiler failed on its CPU kernels; install {compiler}",
+    "TritonMissing": "no Triton for its GPU kernels (torch installs Triton with itself on Linux only); "
+                     "on Windows use WSL2, elsewhere pip install triton",
+    "GPUTooOldForTriton": "Triton builds GPU kernels for compute capability 7.0 (V100) and newer only",
+    "Failed to find C compiler": "no C compiler for Triton's kernel launcher; install gcc",
+}
+CXX = {"linux": "g++ (Debian/Ubuntu: apt install g++)", "darwin": "Xcode's command line tools (xcode-select --install)",
+       "win32": "Visual Studio's C++ build tools, and run from their Developer Command Prompt"}
+
+
+@functools.cache
+def compile_problem(device):
+    """Why torch.compile cannot work on `device` here, with the remedy, or None: from a trial compile, once."""
+    # Compiling imports cpp_extension, which on a machine with nvcc and no GPU warns "No CUDA runtime is found, using
+    # CUDA_HOME=..." (a print in torch 2.6): noise among a run's first lines, so import it quietly first
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    with contextlib.redirect_stderr(io.StringIO()):
+        import torch.utils.cpp_extension  # noqa: F401
+    try:
+        torch.compile(lambda x: torch.relu(x) + 1, dynamic=False)(torch.ones(8, device=device))
+        return None
+    except Exception as error:  # whatever stops it, the run can go on eager
+        return compile_failure(error)
+
+
+def compile_failure(error):
+    """The innermost cause of a failed compile (inductor wraps what went wrong), in words, with its remedy."""
+    causes = []
+    while error is not None and error not in causes:
+        causes.append(error)
+        error = getattr(error, "inner_exception", None) or error.__cause__ or error.__context__
+    for cause in reversed(causes):
+        for key, words in COMPILE_FAILURES.items():
+            if key == type(cause).__name__ or key in str(cause):
+                return words.format(compiler=CXX.get(sys.platform, "a C++ compiler"))
+    first_line = (str(causes[-1]).strip().splitlines() or [""])[0][:150]
+    return f"{type(causes[-1]).__name__}: {first_line}"
+
+
+def no_buffer_broadcast():
+    """DDP's keyword argument that turns off its broadcast of rank 0's buffers before every forward, as this torch
+    names it: forward_sync_buffers from torch 2.13, broadcast_buffers before (deprecated since, with a warning)."""
+    parameters = inspect.signature(DistributedDataParallel).parameters
+    return {"forward_sync_buffers" if "forward_sync_buffers" in parameters else "broadcast_buffers": False}
 
 
 # ----------------------------------------------------------------------- timing and reporting
@@ -309,16 +458,35 @@ def seconds_since_launch():
         return time.perf_counter() - IMPORTED_AT
 
 
+def cpu_capabilities():
+    """torch.cpu.get_capabilities(); on a torch without it (2.6 has none), the keys this module reads."""
+    if hasattr(torch.cpu, "get_capabilities"):
+        return torch.cpu.get_capabilities()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:  # Linux: the model name, and Arm's feature flags
+            fields = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in cpuinfo)}
+    except OSError:
+        fields = {}
+    arm_features = fields.get("Features", "").split()
+    return {
+        "cpu_name": fields.get("model name", ""),
+        "amx_bf16": torch.cpu._is_amx_tile_supported(),  # every CPU with AMX tiles has AMX-BF16
+        "avx512_bf16": torch.cpu._is_avx512_bf16_supported(),
+        "sve_bf16": "svebf16" in arm_features,
+        "bf16": "bf16" in arm_features,
+    }
+
+
 def bfloat16_unit():
     """The name of this CPU's bfloat16 hardware, or None where it has none and oneDNN would emulate bfloat16."""
-    capabilities = torch.cpu.get_capabilities()
+    capabilities = cpu_capabilities()
     units = [("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX-512 BF16"), ("sve_bf16", "SVE BF16"), ("bf16", "Arm BF16")]
     return next((name for key, name in units if capabilities.get(key)), None)
 
 
 def cpu_name():
     """The CPU's model name and its bfloat16 unit, on any operating system."""
-    name = torch.cpu.get_capabilities().get("cpu_name") or platform.processor() or "unknown CPU"
+    name = cpu_capabilities().get("cpu_name") or platform.processor() or "unknown CPU"
     return f"{name} ({bfloat16_unit() or 'no bf16 unit'})"
 
 

@@ -100,7 +100,7 @@ def evaluate(run, loader):
 
 def main():
     args = parse_args()
-    device = common.pick_device(args.device)
+    device = common.pick_device(args)
     if args.workers is None:  # opt2: the loader's worker count suits the device
         args.workers = default_workers(device)
     common.print_settings(__file__, device, args)

@@ -155,7 +155,7 @@ def evaluate(run, test_data):
 
 def main():
     args = parse_args()
-    device = common.pick_device(args.device)
+    device = common.pick_device(args)
     common.print_settings(__file__, device, args)
     # opt1: 16-bit math only where the hardware runs it: on a CPU without a bfloat16 unit it is emulated, and slow
     amp_dtype, why = autocast_dtype(device)

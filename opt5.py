@@ -60,11 +60,19 @@ def started_by_torchrun():
 def setup_distributed(device):
     """(rank, world size, device): torchrun's when it started us, else (0, 1, device) and no process group."""
     if not started_by_torchrun():
+        if device.type == "cuda" and torch.cuda.device_count() > 1:
+            print(f"{torch.cuda.device_count()} GPUs here, and one process uses one: to use them all, start "
+                  f"torchrun --standalone --nproc_per_node={torch.cuda.device_count()} opt5.py ...")
         return 0, 1, device
     if device.type == "cuda":
+        local_rank, visible = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
+        if local_rank >= visible:  # Slurm or MIG often shows each task one GPU
+            common.fail(f"LOCAL_RANK is {local_rank}, but this process sees {visible} GPU(s): start at most {visible} "
+                        f"per machine (--nproc_per_node={visible}), or let every process see every GPU of its machine "
+                        f"(Slurm: one torchrun per node, not one per GPU)")
         # opt5: one process per GPU; NCCL moves gradients GPU to GPU (NVLink, InfiniBand), Gloo on CPUs;
         # naming the GPU up front binds the communicator to it (barrier() warns without)
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device)
     else:
@@ -73,21 +81,24 @@ def setup_distributed(device):
 
 
 @contextlib.contextmanager
-def local_rank_zero_first(world_size):
-    """Runs the body on each machine's first process before its others: one download per machine, not one per rank."""
-    first = world_size == 1 or int(os.environ["LOCAL_RANK"]) == 0
-    if not first:
-        dist.barrier()  # wait until the first process has the data
-    yield
-    if first and world_size > 1:
-        dist.barrier()  # let the others read it
+def rank_zero_first(world_size):
+    """Runs the body on rank 0, then on the first process of every other machine, then on the rest: one download
+    per machine, and never two at once into a folder that machines share (NFS, Lustre), which would corrupt it."""
+    if world_size == 1:
+        yield
+        return
+    turn = 0 if dist.get_rank() == 0 else 1 if int(os.environ["LOCAL_RANK"]) == 0 else 2
+    for this_turn in range(3):
+        if this_turn == turn:
+            yield
+        dist.barrier()  # the next turn starts once this one's processes have the data
 
 
 def average_batchnorm_statistics(model, world_size):
     """Average BatchNorm's running means and variances over the ranks, so every rank evaluates the same model.
 
     Each rank's statistics follow its own share of the data. Averaging them once per evaluation
-    replaces DDP's broadcast of rank 0's before every forward (off: forward_sync_buffers=False).
+    replaces DDP's broadcast of rank 0's before every forward (off: common.no_buffer_broadcast()).
     """
     if world_size == 1:
         return
@@ -259,7 +270,7 @@ def evaluate(run, test_data, size):
 
 def main():
     args = parse_args()
-    rank, world_size, device = setup_distributed(common.pick_device(args.device))
+    rank, world_size, device = setup_distributed(common.pick_device(args))
     try:
         train(args, rank, world_size, device)
     finally:
@@ -280,7 +291,7 @@ def train(args, rank, world_size, device):
 
     # opt3: the whole dataset lives on the device as uint8 (180 MB): 4x less to move than float32,
     # and no loader, workers or host-to-device copy per step; normalize() and augment() run per batch
-    with local_rank_zero_first(world_size):  # opt5: ranks that share a machine share its one download
+    with rank_zero_first(world_size):  # opt5: one download per machine, each after rank 0's
         train_set, test_set = common.load_data(args, train_transform=None, test_transform=None)
     train_data, test_data = load_to_device(train_set, device), load_to_device(test_set, device)
     generator = torch.Generator(device).manual_seed(args.seed)  # the same permutation on every rank
@@ -307,12 +318,16 @@ def train(args, rank, world_size, device):
             parameter.grad = torch.zeros_like(parameter)
     train_model = model
     if world_size > 1:
-        # opt5: DDP averages gradients over the ranks in buckets, each sent as soon as its gradients are
-        # ready; the kept gradients are views of the buckets (no copy); no BatchNorm buffer broadcast
-        # before every forward (average_batchnorm_statistics does it once per evaluation)
+        # opt5: DDP averages gradients over the ranks in buckets, each sent as soon as its gradients are ready, so
+        # communication overlaps the rest of the backward pass. ResNet10 has 19.6 MB of them: after the first step
+        # DDP rebuilds its buckets in the order they became ready: layer 4's last conv alone (9.4 MB: the first
+        # bucket closes past 1 MiB), then the rest. Compiled, Dynamo's DDPOptimizer cuts the graph at the same mark
+        # (before that conv), so the first all-reduce runs during the backward of all the layers before it, most of
+        # the work; the second waits for the backward's end (read off torch 2.15, Gloo, 2 ranks). The kept gradients
+        # are views of the buckets (no copy); no BatchNorm broadcast before every forward (average_batchnorm_statistics)
         train_model = DistributedDataParallel(
             model, device_ids=[device] if device.type == "cuda" else None, gradient_as_bucket_view=True,
-            forward_sync_buffers=False)
+            **common.no_buffer_broadcast())
     # opt2: label smoothing keeps the logits from growing without bound: better accuracy in few epochs
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     # opt1: AdamW adapts the step size per weight, so a fixed learning rate converges faster than SGD's

@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -86,9 +87,9 @@ def read_json(path):
 LEARN_ARGS = {
     "baseline.py": ["--batch-size", "32", "--train-size", "512"],
     "opt1.py": ["--batch-size", "32", "--train-size", "512", "--no-compile"],
-    # The one compiled run: it also proves saved weights carry no torch.compile prefix.
-    "opt2.py": ["--batch-size", "32", "--train-size", "512", "--workers", "2"],
-    "opt3.py": ["--batch-size", "32", "--train-size", "512", "--no-compile"],
+    "opt2.py": ["--batch-size", "32", "--train-size", "512", "--workers", "2", "--no-compile"],
+    # The one compiled run (opt4 and opt5 compile as opt3 does): it also proves saved weights carry no compile prefix.
+    "opt3.py": ["--batch-size", "32", "--train-size", "512"],
 }
 EVAL_TRANSFORM = {"baseline.py": common.plain_transform, "opt1.py": common.plain_transform,
                   "opt2.py": common.normalized_transform, "opt3.py": None}
@@ -99,6 +100,7 @@ EPOCH_FIELDS = {"epoch", "train_loss", "train_accuracy", "test_loss", "test_accu
                 "images_per_second", "ms_per_step", "steps", "images", "launch_seconds"}
 
 
+@pytest.mark.floor
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_script_learns_reports_and_saves(script, tmp_path):
     json_path, weights = tmp_path / "result.json", tmp_path / "weights.pt"
@@ -207,7 +209,198 @@ def test_missing_data_message_says_where_and_what_to_do(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_asked_for_without_a_gpu_exits_2():
     result = run_script("opt1.py", "--device", "cuda", "--synthetic")
-    assert result.returncode == 2 and "sees no CUDA GPU" in result.stderr
+    assert result.returncode == 2 and "torch sees no CUDA GPU; use --device cpu" in result.stderr
+
+
+# ------------------------------------------------- the user's machine: one line for each setup the scripts can't use
+# Each setup is made on this CPU by replacing torch's view of the machine in the script's own process, then running
+# the script: FAKE_MACHINE's `patches` run first. The data directory is empty and there is no network, so a verdict
+# that came after loading the data would read "CIFAR-10 is not in ..." instead.
+
+FAKE_MACHINE = """
+import runpy, sys, warnings
+import torch, torchvision  # torchvision first: on import it checks that its CUDA version is torch's
+{patches}
+sys.argv = {argv!r}
+runpy.run_path({script!r}, run_name="__main__")
+"""
+# What torch 2.14's c10 warns, once, when cudaGetDeviceCount fails on an old driver (then is_available() is False)
+OLD_DRIVER = """
+def is_available():
+    warnings.warn("CUDA initialization: The NVIDIA driver on your system is too old (found version 12040). Please "
+                  "update your GPU driver by downloading and installing a new version from the URL: "
+                  "http://www.nvidia.com/Download/index.aspx Alternatively, go to: https://pytorch.org to install a "
+                  "PyTorch version that has been compiled with your version of the CUDA driver.")
+    return False
+torch.cuda.is_available, torch.version.cuda = is_available, "13.0"
+"""
+CPU_ONLY_BUILD = """
+torch.cuda.is_available, torch.version.cuda, torch.version.hip = lambda: False, None, None
+"""
+# A GPU that torch sees: {name}, sm_{capability}, {count} of them, and a CUDA 13.0 build's architectures
+VISIBLE_GPU = """
+torch.version.cuda = "13.0"
+torch.cuda.is_available = lambda: True
+torch.cuda.device_count = lambda: {count}
+torch.cuda.get_device_capability = lambda index=None: ({capability} // 10, {capability} % 10)
+torch.cuda.get_device_name = lambda index=None: {name!r}
+torch.cuda.get_arch_list = lambda: ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]
+"""
+NO_DATA = ["--data-dir", "no-such-folder", "--epochs", "1", "--train-size", "64", "--test-size", "64",
+           "--batch-size", "32"]
+
+
+def run_on_fake_machine(patches, script, *args, env=None):
+    code = FAKE_MACHINE.format(patches=patches, argv=[script, *map(str, args)], script=script)
+    return run_script("-c", code, env=env, timeout=300)
+
+
+def assert_one_error_line(result, *says):
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
+    assert all(words in result.stderr for words in says), result.stderr
+    assert "CIFAR-10 is not in" not in result.stderr, "the verdict must come before the data"
+
+
+@pytest.mark.floor
+def test_a_torch_older_than_the_floor_exits_2_with_one_line_and_the_floor_is_requirements_txts():
+    result = run_on_fake_machine('torch.__version__ = "2.4.1+cu121"', "opt2.py", *NO_DATA)
+    assert_one_error_line(result, "torch 2.4.1+cu121 is older than 2.6, the oldest these scripts run on")
+    floor = re.search(r"^torch>=([\d.]+)$", (ROOT / "requirements.txt").read_text(), re.MULTILINE).group(1)
+    assert tuple(map(int, floor.split("."))) == common.OLDEST_TORCH
+
+
+def test_a_containers_pre_release_build_of_the_floor_is_the_floor(monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "2.6.0a0+ecf3bae40a")  # as NVIDIA's containers name theirs
+    common.check_torch_version()  # no exit
+
+
+@pytest.mark.floor
+def test_an_old_driver_says_a_gpu_is_there_and_both_remedies_then_trains_on_the_cpu():
+    result = run_on_fake_machine(OLD_DRIVER, "opt1.py", "--synthetic", *NO_DATA, "--no-compile")
+    assert result.returncode == 0, result.stderr
+    first_line = result.stdout.splitlines()[0]
+    assert first_line.startswith("a GPU is here, but its NVIDIA driver is too old for this torch's CUDA 13.0 "
+                                 "(it runs CUDA 12.4 at most): running on the CPU"), first_line
+    assert "update the driver to 580 or newer" in first_line
+    assert f"pip install torch=={torch.__version__.split('+')[0]} " in first_line
+    assert first_line.endswith("--index-url https://download.pytorch.org/whl/cu126")
+    assert "no CUDA GPU" not in result.stdout and "opt1.py on cpu" in result.stdout
+
+
+def test_an_old_driver_with_device_cuda_exits_2_with_the_remedies():
+    result = run_on_fake_machine(OLD_DRIVER, "opt3.py", *NO_DATA, "--device", "cuda")
+    assert_one_error_line(result, "--device cuda: a GPU is here, but its NVIDIA driver is too old",
+                          "update the driver to 580 or newer", "whl/cu126, or use --device cpu")
+
+
+def test_a_cpu_only_torch_build_says_so_and_how_to_get_a_cuda_build():
+    result = run_on_fake_machine(CPU_ONLY_BUILD, "baseline.py", "--synthetic", *NO_DATA)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0].startswith(f"this torch ({torch.__version__}) is a CPU-only build: running "
+                                                    f"on the CPU (slow; the scripts target CUDA); for an NVIDIA GPU, "
+                                                    f"install a CUDA build: pip install torch==")
+    result = run_on_fake_machine(CPU_ONLY_BUILD, "baseline.py", *NO_DATA, "--device", "cuda")
+    assert_one_error_line(result, "is a CPU-only build", "--index-url https://download.pytorch.org/whl/cu126")
+
+
+def test_macos_says_it_has_no_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert common.why_no_cuda() == ("macOS has no CUDA", None)
+
+
+@pytest.mark.parametrize("script", ["baseline.py", "opt4.py"])
+def test_a_gpu_the_build_has_no_kernels_for_exits_2_naming_it_and_the_remedy(script):
+    patches = VISIBLE_GPU.format(count=1, capability=70, name="Tesla V100-SXM2-16GB")
+    result = run_on_fake_machine(patches, script, *NO_DATA)  # --device auto: the GPU is there, so no CPU fallback
+    assert_one_error_line(result, "GPU 0 (Tesla V100-SXM2-16GB) is sm_70", "has kernels for sm_75 sm_80 sm_86 sm_90 "
+                          "sm_100 sm_120 only", "the CUDA 12.6 build of this torch, which has sm_50 to sm_90",
+                          "--index-url https://download.pytorch.org/whl/cu126; or use --device cpu")
+
+
+@pytest.mark.parametrize("capability, architectures, runs", [
+    (86, ["sm_80"], True),          # a kernel for sm_80 runs on sm_86 (same major version)
+    (80, ["sm_86"], False),         # but not the other way round
+    (90, ["sm_80", "sm_86"], False),  # nor across major versions
+    (120, ["sm_90", "compute_90"], True),  # PTX is compiled for any newer GPU
+    (75, ["compute_80"], False),    # but not an older one
+    (100, ["sm_90a", "sm_100a"], True),
+])
+def test_gpu_architecture_check_follows_cudas_compatibility_rules(capability, architectures, runs, monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: divmod(capability, 10))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "GPU")
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: architectures)
+    if runs:
+        common.check_gpu_architectures()
+    else:
+        with pytest.raises(SystemExit):
+            common.check_gpu_architectures()
+
+
+def fake_compile_failure(*names):
+    """An exception as inductor raises it: the first name wraps the next, down to the cause."""
+    error = None
+    for name in reversed(names):
+        wrapper = type(name, (RuntimeError,), {})(f"{name} happened")
+        wrapper.__cause__ = error
+        error = wrapper
+    return error
+
+
+@pytest.mark.parametrize("names, says", [
+    (["InductorError", "InvalidCxxCompiler"], "no C++ compiler for its CPU kernels; install g++"),
+    (["BackendCompilerFailed", "TritonMissing"], "no Triton for its GPU kernels"),
+    (["InductorError", "GPUTooOldForTriton"], "compute capability 7.0 (V100) and newer only"),
+    (["BackendCompilerFailed", "RuntimeError"], "RuntimeError: RuntimeError happened"),
+])
+def test_a_failed_compile_is_named_by_its_innermost_cause(names, says, monkeypatch):
+    monkeypatch.setattr(sys, "platform", "linux")
+    assert says in common.compile_failure(fake_compile_failure(*names))
+    # Inductor's InductorError keeps the cause in inner_exception, not __cause__
+    error = fake_compile_failure(names[0])
+    error.inner_exception = fake_compile_failure(*names[1:])
+    assert says in common.compile_failure(error)
+
+
+def test_a_compile_that_fails_here_says_why_in_one_line_and_the_run_goes_on_eager(tmp_path):
+    patches = """
+class TritonMissing(RuntimeError): pass
+def compile(*args, **kwargs):  # the first call, compile_problem's trial, fails as on Windows with a GPU
+    raise RuntimeError("backend='inductor' raised") from TritonMissing()
+torch.compile = compile
+"""
+    json_path = tmp_path / "result.json"
+    result = run_on_fake_machine(patches, "opt2.py", "--synthetic", *NO_DATA, "--batch-size", "8", "--device", "cpu",
+                                 "--json", json_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0] == (
+        "torch.compile cannot work here: no Triton for its GPU kernels (torch installs Triton with itself on Linux "
+        "only); on Windows use WSL2, elsewhere pip install triton; running eager instead (as --no-compile)")
+    assert read_json(json_path)["settings"]["compile"] is False
+
+
+@pytest.mark.floor
+@pytest.mark.skipif(sys.platform != "linux", reason="the compiler inductor looks for is Linux's g++")
+def test_a_machine_without_a_compiler_runs_eager_and_says_why_and_torch_keeps_its_cuda_home_notice_to_itself(tmp_path):
+    # No compiler on the PATH, and a cache of compiled kernels of its own, so none from an earlier run is reused.
+    # CUDA_HOME set on a machine without a GPU: importing torch's cpp_extension (compiling does) says so, unasked.
+    env = {"PATH": str(tmp_path / "empty"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"),
+           "CUDA_HOME": str(tmp_path)}
+    control = run_script("-c", "import torch.utils.cpp_extension", env=env)
+    assert "No CUDA runtime is found" in control.stderr, "the noise this test is about must happen here"
+    json_path = tmp_path / "result.json"
+    result = run_script("opt1.py", *SMALL, "--epochs", "1", "--train-size", "64", "--batch-size", "32",
+                        "--json", json_path, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0] == (
+        "torch.compile cannot work here: no C++ compiler for its CPU kernels; install g++ (Debian/Ubuntu: apt install "
+        "g++); running eager instead (as --no-compile)")
+    assert "No CUDA runtime is found" not in result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    assert read_json(json_path)["settings"]["compile"] is False
 
 
 def test_accum_steps_must_fit_in_the_training_set():
@@ -699,6 +892,7 @@ def compiled_run(script, flags, folder):
     """`script`'s main() compiled, in this process; returns the dynamo counters and the line printed after each
     epoch, and the report."""
     from torch._dynamo.utils import counters
+    common.compile_problem(CPU)  # main()'s trial compile, done once per process: not counted among the script's graphs
     torch._dynamo.reset()
     counters.clear()
     after_each_epoch, real_record_epoch = [], common.record_epoch
@@ -885,6 +1079,17 @@ def test_opt4_trains_each_epoch_on_its_image_size_and_evaluates_all_test_images_
     assert_saved_weights_match_the_report(weights, report, opt4, transform=None)
 
 
+@pytest.mark.floor
+def test_opt4_learns_in_two_short_epochs(tmp_path):
+    json_path = tmp_path / "result.json"
+    result = run_script("opt4.py", *SMALL, "--epochs", 2, "--train-size", 1024, "--batch-size", 32, "--no-compile",
+                        "--json", json_path)
+    assert result.returncode == 0, result.stderr
+    report = read_json(json_path)
+    assert [epoch["image_size"] for epoch in report["epochs"]] == [16, 32]
+    assert report["final_test_accuracy"] > 0.5, "chance is 0.1: the loop does not learn"
+
+
 @pytest.fixture(scope="module")
 def compiled_opt4_run(tmp_path_factory):
     # --min-size 8 over 7 epochs: 8, 8, 16, 16, 24, 24, 32, as many sizes as any flags give, each twice but the last
@@ -1054,7 +1259,7 @@ def test_ablation_shifts_move_the_image_one_pixel_and_reflect_the_edge():
 def test_ablation_runs_each_row_in_its_own_process_and_scores_three_ways(tmp_path):
     out = tmp_path / "ablation.jsonl"
     result = run_script("ablation.py", "--rows", "shipped", "ema", "alternating-flip", "--json", out, "--epochs", 2,
-                        "--train-size", 2048, "--batch-size", 64, "--no-compile", *SMALL)
+                        "--train-size", 1024, "--batch-size", 64, "--no-compile", *SMALL)
     assert result.returncode == 0, result.stderr
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [line["row"] for line in lines] == ["shipped", "ema", "alternating-flip"]
@@ -1301,6 +1506,22 @@ def test_readme_figures_are_the_measured_data():
     assert rows["opt5.py"][-1] == f"{100 * data_parallel['final_test_accuracy']:.1f} (2 ranks)"
 
 
+def test_readme_setup_table_names_tests_that_exist_for_every_row():
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## On a GPU"):readme.index("## Flags")]
+    rows = [line.split("|")[1:-1] for line in section.splitlines() if line.startswith("| ")][1:]  # not the header
+    assert len(rows) == 8
+    tests = {name: test for name, test in globals().items() if name.startswith("test_")}
+    for cells in rows:
+        names = re.findall(r"`([^`]+)`", cells[-1])
+        assert names, f"no test named for {cells[0]!r}"
+        for name in names:
+            if name.startswith("-m "):  # a marker: some test carries it
+                assert any(mark.name == name[3:] for test in tests.values() for mark in getattr(test, "pytestmark", []))
+            else:
+                assert any(name in test for test in tests), f"no test matches {name!r} ({cells[0]!r})"
+
+
 # ------------------------------------------------------------------------- opt5: DDP under torchrun
 
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]  # for run_script
@@ -1346,6 +1567,7 @@ def checksums(stderr):
     return sorted(re.findall(r"weights checksum ([0-9a-f]{16})", stderr))
 
 
+@pytest.mark.floor
 def test_opt5_two_processes_learn_print_once_and_end_with_identical_weights(tmp_path):
     json_path, weights, wrapper = tmp_path / "result.json", tmp_path / "weights.pt", tmp_path / "checksum_rank.py"
     wrapper.write_text(CHECKSUM_RANK.format(root=str(ROOT)))
@@ -1382,6 +1604,97 @@ def test_opt5_started_without_torchrun_but_some_of_its_variables_exits_2_with_on
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
     assert f"set but not {missing}: start opt5.py with torchrun" in result.stderr
+
+
+def test_opt5_without_torchrun_on_several_gpus_points_to_torchrun(monkeypatch, capsys):
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert opt5.setup_distributed(CPU) == (0, 1, CPU) and capsys.readouterr().out == ""
+    cuda = torch.device("cuda")
+    assert opt5.setup_distributed(cuda) == (0, 1, cuda)
+    assert capsys.readouterr().out == ("4 GPUs here, and one process uses one: to use them all, start torchrun "
+                                       "--standalone --nproc_per_node=4 opt5.py ...\n")
+
+
+def test_opt5_a_local_rank_past_the_visible_gpus_exits_2_with_one_line():
+    # Slurm's one task per GPU: every process sees one GPU, and torchrun's second process has LOCAL_RANK 1
+    env = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9"}
+    patches = VISIBLE_GPU.format(count=1, capability=90, name="NVIDIA H100 80GB HBM3")
+    result = run_on_fake_machine(patches, "opt5.py", *NO_DATA, "--no-compile", env=env)
+    assert_one_error_line(result, "LOCAL_RANK is 1, but this process sees 1 GPU(s): start at most 1 per machine "
+                                  "(--nproc_per_node=1)")
+
+
+def test_ddp_buffer_flag_is_named_as_this_torch_names_it(monkeypatch):
+    flag = common.no_buffer_broadcast()
+    assert list(flag.values()) == [False]
+    assert set(flag) <= set(inspect.signature(opt5.DistributedDataParallel).parameters)
+
+    def ddp_before_2_13(module, device_ids=None, broadcast_buffers=True, gradient_as_bucket_view=False):
+        pass
+
+    monkeypatch.setattr(common, "DistributedDataParallel", ddp_before_2_13)
+    assert common.no_buffer_broadcast() == {"broadcast_buffers": False}
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_two_nodes(script, processes_per_node, *args, timeout=300):
+    """Two torchrun 'nodes' on this machine, as opt5's docstring starts them; returns both CompletedProcesses."""
+    port, env = free_port(), {**os.environ, **NO_NETWORK}
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
+                               f"--nproc_per_node={processes_per_node}", f"--rdzv-endpoint=127.0.0.1:{port}",
+                               *map(str, [script, *args])], cwd=ROOT, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for node in (0, 1)]
+    outputs = [node.communicate(timeout=timeout) for node in nodes]
+    return [subprocess.CompletedProcess(node.args, node.returncode, *output) for node, output in zip(nodes, outputs)]
+
+
+DATA_TURN = """
+import json, os, sys, time
+sys.path.insert(0, {root!r})
+import torch.distributed as dist
+import opt5
+
+dist.init_process_group("gloo")
+with opt5.rank_zero_first(dist.get_world_size()):
+    start = time.time()
+    time.sleep(0.5)  # a download
+    end = time.time()
+with open({out!r} + os.environ["RANK"], "w") as file:
+    json.dump([start, end], file)
+dist.destroy_process_group()
+"""
+
+
+def test_opt5_data_on_two_nodes_rank_0_first_then_the_other_nodes_first_process_then_the_rest(tmp_path):
+    script = tmp_path / "data_turn.py"
+    script.write_text(DATA_TURN.format(root=str(ROOT), out=str(tmp_path / "rank")))
+    for node in run_two_nodes(script, processes_per_node=2):
+        assert node.returncode == 0, node.stderr
+    # Node 0 runs ranks 0 and 1, node 1 ranks 2 and 3; each node's first process is its local rank 0.
+    (start_0, end_0), (start_1, end_1), (start_2, end_2), (start_3, end_3) = (
+        json.loads((tmp_path / f"rank{rank}").read_text()) for rank in range(4))
+    assert end_0 <= start_2, "node 1 prepared the data while rank 0 was still writing it"
+    assert end_2 <= min(start_1, start_3), "a process read the data before its node's first process had it"
+
+
+def test_opt5_two_nodes_on_one_machine_finish_with_identical_weights_and_one_report(tmp_path):
+    json_path, wrapper = tmp_path / "result.json", tmp_path / "checksum_rank.py"
+    wrapper.write_text(CHECKSUM_RANK.format(root=str(ROOT)))
+    nodes = run_two_nodes(wrapper, 1, *DDP_ARGS, "--train-size", 256, "--test-size", 64, "--json", json_path)
+    for node in nodes:
+        assert node.returncode == 0, node.stderr
+    first, second = checksums(nodes[0].stderr + nodes[1].stderr)
+    assert first == second, "the nodes' weights or BatchNorm statistics differ"
+    assert [node.stdout.count("done:") for node in nodes] == [1, 0], "one report, from rank 0"
+    report = read_json(json_path)
+    assert report["world_size"] == 2 and report["epochs"][0]["images"] == 256, "one report of both nodes' images"
 
 
 def test_opt5_rank_shares_are_disjoint_and_cover_the_epoch():
@@ -1611,6 +1924,7 @@ def test_cuda_opt2_loader_pins_memory(monkeypatch):
 @cuda_test
 def test_cuda_opt3_compiled_step_replays_cuda_graphs_and_never_syncs_after_warm_up(monkeypatch):
     from torch._dynamo.utils import counters
+    common.compile_problem(CPU)  # main()'s trial compile, done once per process: not counted among the script's graphs
     torch._dynamo.reset()
     counters.clear()
     real_compile, real_train_one_epoch, modes, syncs = nn.Module.compile, opt3.train_one_epoch, [], []
