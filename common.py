@@ -352,10 +352,12 @@ def why_no_cuda():
     if found:
         driver_cuda = int(found.group(1))  # the newest CUDA the driver runs, as 1000 x major + 10 x minor
         major = int(torch.version.cuda.split(".")[0])
+        remedy = f"update the driver to {MIN_DRIVER.get(major, 'a newer one')} or newer"
+        if major > 12:  # a CUDA 12 build of the same torch runs on drivers from 525 on
+            remedy += (f", or install the CUDA 12 build of this torch: pip install {this_torch()} "
+                       f"--index-url {CUDA_12_INDEX}")
         return (f"a GPU is here, but its NVIDIA driver is too old for this torch's CUDA {torch.version.cuda} "
-                f"(it runs CUDA {driver_cuda // 1000}.{driver_cuda % 1000 // 10} at most)",
-                f"update the driver to {MIN_DRIVER.get(major, 'a newer one')} or newer, or install the CUDA 12 build "
-                f"of this torch: pip install {this_torch()} --index-url {CUDA_12_INDEX}")
+                f"(it runs CUDA {driver_cuda // 1000}.{driver_cuda % 1000 // 10} at most)", remedy)
     return "torch sees no CUDA GPU", None
 
 
@@ -370,13 +372,13 @@ def check_gpu_architectures():
     architectures = torch.cuda.get_arch_list()  # e.g. sm_75 ... sm_120: kernels; compute_90: PTX the driver compiles
     if not architectures or torch.version.cuda is None:  # a build that does not say (ROCm, some source builds)
         return
+    builds = [(arch.split("_")[0], int(re.sub(r"\D", "", arch.split("_")[1]))) for arch in architectures]  # sm, 90
     for index in range(torch.cuda.device_count()):
         major, minor = torch.cuda.get_device_capability(index)
         capability = 10 * major + minor
-        numbers = [(arch.split("_")[0], int(re.sub(r"\D", "", arch.split("_")[1]))) for arch in architectures]
         # A kernel built for sm_XY runs on sm_XZ for Z >= Y; PTX for compute_XY is compiled for any newer GPU.
         if any(kind == "sm" and number // 10 == major and number <= capability or
-               kind == "compute" and number <= capability for kind, number in numbers):
+               kind == "compute" and number <= capability for kind, number in builds):
             continue
         remedy = (f"install the CUDA 12.6 build of this torch, which has sm_50 to sm_90: pip install {this_torch()} "
                   f"--index-url {CUDA_12_INDEX}" if capability < 75 else

@@ -296,6 +296,17 @@ def test_an_old_driver_with_device_cuda_exits_2_with_the_remedies():
                           "update the driver to 580 or newer", "whl/cu126, or use --device cpu")
 
 
+def test_a_driver_too_old_for_a_cuda_12_build_is_told_to_update_the_driver_only(monkeypatch):
+    def is_available():  # a CUDA 11.4 driver (470) under a CUDA 12.4 build, such as torch 2.6's
+        warnings.warn("CUDA initialization: The NVIDIA driver on your system is too old (found version 11040).")
+        return False
+
+    monkeypatch.setattr(torch.cuda, "is_available", is_available)
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    assert common.why_no_cuda() == ("a GPU is here, but its NVIDIA driver is too old for this torch's CUDA 12.4 (it "
+                                    "runs CUDA 11.4 at most)", "update the driver to 525 or newer")
+
+
 def test_a_cpu_only_torch_build_says_so_and_how_to_get_a_cuda_build():
     result = run_on_fake_machine(CPU_ONLY_BUILD, "baseline.py", "--synthetic", *NO_DATA)
     assert result.returncode == 0, result.stderr
