@@ -59,16 +59,17 @@ def started_by_torchrun():
 
 def setup_distributed(device):
     """(rank, world size, device): torchrun's when it started us, else (0, 1, device) and no process group."""
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     if not started_by_torchrun():
-        if device.type == "cuda" and torch.cuda.device_count() > 1:
-            print(f"{torch.cuda.device_count()} GPUs here, and one process uses one: to use them all, start "
-                  f"torchrun --standalone --nproc_per_node={torch.cuda.device_count()} opt5.py ...")
+        if gpus > 1:
+            print(f"{gpus} GPUs here, and one process uses one: to use them all, start "
+                  f"torchrun --standalone --nproc_per_node={gpus} opt5.py ...")
         return 0, 1, device
     if device.type == "cuda":
-        local_rank, visible = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
-        if local_rank >= visible:  # Slurm or MIG often shows each task one GPU
-            common.fail(f"LOCAL_RANK is {local_rank}, but this process sees {visible} GPU(s): start at most {visible} "
-                        f"per machine (--nproc_per_node={visible}), or let every process see every GPU of its machine "
+        local_rank = int(os.environ["LOCAL_RANK"])
+        if local_rank >= gpus:  # Slurm or MIG often shows each task one GPU
+            common.fail(f"LOCAL_RANK is {local_rank}, but this process sees {gpus} GPU(s): start at most {gpus} "
+                        f"per machine (--nproc_per_node={gpus}), or let every process see every GPU of its machine "
                         f"(Slurm: one torchrun per node, not one per GPU)")
         # opt5: one process per GPU; NCCL moves gradients GPU to GPU (NVLink, InfiniBand), Gloo on CPUs;
         # naming the GPU up front binds the communicator to it (barrier() warns without)
