@@ -8,7 +8,8 @@ Each row runs opt4.py's own main() in a fresh process (launched as this one was)
 outside, so opt4.py keeps only what earns its place. After training, every row scores its final weights on the
 whole test set from 1 view per image, 2 (the image and its mirror: opt4's own evaluation) and 6 (both also
 shifted one pixel up-left and down-right: flip + translate test-time augmentation). Any flag not listed below is
-opt4.py's (see `python opt4.py --help`) and goes to every row. The rows run one after another: time them with
+opt4.py's (see `python opt4.py --help`) and goes to every row; the rows train with AdamW (--optimizer adamw), as
+they were measured, unless the flags say --optimizer muon. The rows run one after another: time them with
 nothing else running on the machine.
 """
 import argparse
@@ -24,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import common
+import harness
 import opt4
 
 
@@ -187,7 +189,7 @@ def score(run, test_data):
 
 def parse_args():
     """ablation.py's own flags, and the rest: opt4.py's flags, which opt4's parser checks here, before any row."""
-    parser = common.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = harness.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", nargs="+", choices=ROW_NAMES, default=ROW_NAMES, metavar="ROW",
                         help=f"the rows to run, in this order, from: {' '.join(ROW_NAMES)} (default: all)")
     parser.add_argument("--json", metavar="PATH", default="results/ablation.jsonl",
@@ -221,7 +223,8 @@ def run_row(name, opt4_flags, json_path):
     opt4.evaluate = evaluate_and_keep
     with tempfile.TemporaryDirectory() as folder:
         report_path = Path(folder) / "opt4.jsonl"
-        sys.argv = [sys.argv[0], *opt4_flags, *row_flags, "--json", str(report_path)]
+        # AdamW, as the rows were measured; a later --optimizer muon among the flags overrides it
+        sys.argv = [sys.argv[0], "--optimizer", "adamw", *opt4_flags, *row_flags, "--json", str(report_path)]
         opt4.main()
         report = json.loads(report_path.read_text())
     run, test_data = last_evaluation

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 import common
+import harness
 
 ROOT = Path(__file__).resolve().parent
 SCRIPTS = ["baseline.py", "opt1.py", "opt2.py", "opt3.py"]
@@ -44,17 +45,17 @@ LADDER = [
 
 
 def parse_args():
-    parser = common.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = harness.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
     add("--scripts", nargs="+", default=SCRIPTS, help=f"scripts to compare (default: {' '.join(SCRIPTS)})")
     add("--ladder", action="store_true",
         help="run the ladder instead: one rung per optimization group, switched by the scripts' own flags "
              "(default: off)")
-    add("--repeats", type=common.positive_int, default=3, help="rounds over all scripts (default: 3)")
+    add("--repeats", type=harness.positive_int, default=3, help="rounds over all scripts (default: 3)")
     add("--epochs", type=int, default=2, help="epochs per run; steady state needs 2 or more (default: 2)")
-    add("--batch-size", type=common.positive_int, default=128, help="the same for every script (default: 128)")
-    add("--train-size", type=common.positive_int, default=2048, help="training images per epoch (default: 2048)")
-    add("--test-size", type=common.positive_int, default=1024, help="test images (default: 1024)")
+    add("--batch-size", type=harness.positive_int, default=128, help="the same for every script (default: 128)")
+    add("--train-size", type=harness.positive_int, default=2048, help="training images per epoch (default: 2048)")
+    add("--test-size", type=harness.positive_int, default=1024, help="test images (default: 1024)")
     add("--data-dir", default=None, help="real CIFAR-10 here instead of synthetic data (default: synthetic)")
     add("--device", choices=["auto", "cuda", "cpu"], default="auto", help="passed to every script (default: auto)")
     add("--compile", action=argparse.BooleanOptionalAction, default=True,
@@ -132,8 +133,8 @@ def markdown_table(results, peak_tflops):
         speedup = f"{row['images_per_second'] / baseline_speed:.2f}x" if baseline_speed else "n/a"
         lines.append(
             f"| {row['name']} | {row['images_per_second']:.0f} | {speedup} | {row['ms_per_step']:.1f} "
-            f"| {row['warmup_seconds']:.1f} | {common.shown(row['peak_memory_gib'], '.2f')} | {row['tflops']:.3f} "
-            f"| {common.shown(row['percent_of_bf16_peak'], '.0f')} | {100 * row['test_accuracy']:.1f} |")
+            f"| {row['warmup_seconds']:.1f} | {harness.shown(row['peak_memory_gib'], '.2f')} | {row['tflops']:.3f} "
+            f"| {harness.shown(row['percent_of_bf16_peak'], '.0f')} | {100 * row['test_accuracy']:.1f} |")
     return "\n".join(lines)
 
 
@@ -149,8 +150,8 @@ def ladder_table(results, peak_tflops):
             f"| {rung} | `{' '.join([script, *flags])}` | {adds} | {gpu_only or '-'} "
             f"| {row['images_per_second']:.0f} | {compared_with or ''} | {speedup} "
             f"| {row['images_per_second'] / rows['baseline']['images_per_second']:.2f}x | {row['ms_per_step']:.1f} "
-            f"| {row['warmup_seconds']:.1f} | {common.shown(row['peak_memory_gib'], '.2f')} "
-            f"| {common.shown(row['percent_of_bf16_peak'], '.0f')} |")
+            f"| {row['warmup_seconds']:.1f} | {harness.shown(row['peak_memory_gib'], '.2f')} "
+            f"| {harness.shown(row['percent_of_bf16_peak'], '.0f')} |")
     return "\n".join(lines)
 
 
@@ -182,7 +183,7 @@ def main():
     print(f"\n{machine}, {first['threads']} threads, torch {first['torch']}; {data}, "
           f"{args.train_size} training images x {args.epochs} epochs, batch {args.batch_size}, "
           f"medians of {args.repeats} rounds; peak = the best 4096x4096 matmul of all rounds: "
-          f"bf16 {common.shown(peak_tflops, '.2f')} TFLOP/s, float32 {float32_peak_tflops:.2f} TFLOP/s"
+          f"bf16 {harness.shown(peak_tflops, '.2f')} TFLOP/s, float32 {float32_peak_tflops:.2f} TFLOP/s"
           f"{' (bf16 not measured: no bfloat16 unit, so the scripts run float32)' if peak_tflops is None else ''}\n")
     print(ladder_table(results, peak_tflops) if args.ladder else markdown_table(results, peak_tflops))
     if args.json:

@@ -17,28 +17,29 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 import common
+import harness
 
 
 def parse_args():
     # opt2: a bigger batch keeps the GPU busy with fewer, larger kernels and fewer optimizer steps
-    parser = common.build_parser(__doc__, batch_size=128, lr=8e-3)
+    parser = harness.build_parser(__doc__, batch_size=128, lr=8e-3)
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="torch.compile the model; --no-compile runs eager (default: on)")
-    parser.add_argument("--accum-steps", type=common.positive_int, default=1,
+    parser.add_argument("--accum-steps", type=harness.positive_int, default=1,
                         help="micro-batches per optimizer step; effective batch = batch size x this (default: 1)")
-    parser.add_argument("--workers", type=common.non_negative_int, default=None,
+    parser.add_argument("--workers", type=harness.non_negative_int, default=None,
                         help="data loading processes (default: 4 with a GPU, which they keep fed; 0 on the CPU, "
                              "where they would take cores from training)")
-    parser.add_argument("--label-smoothing", type=common.fraction, default=0.1,
+    parser.add_argument("--label-smoothing", type=harness.fraction, default=0.1,
                         help="weight of the uniform target mixed into each label (default: 0.1)")
     args = parser.parse_args()
-    return common.check_args(args, images_per_step=args.batch_size * args.accum_steps)
+    return harness.check_args(args, images_per_step=args.batch_size * args.accum_steps)
 
 
 def autocast_dtype(device):
     """The 16-bit type `device` runs natively, or float32 where it has none; and why, in words, for the log."""
     if device.type == "cuda":
-        return torch.float16, "float16 autocast: the GPU's tensor cores run it several times faster than float32"
+        return torch.float16, "float16 autocast: on tensor cores, 2x TF32's peak (A100, H100), ~8x float32's (V100, T4)"
     unit = common.bfloat16_unit()
     if unit is not None:
         return torch.bfloat16, f"bfloat16 autocast: this CPU runs it natively ({unit})"
@@ -90,9 +91,12 @@ def evaluate(run, loader):
     with torch.inference_mode():  # opt2: like no_grad, and also skips autograd's version tracking
         for images, labels in loader:
             images, labels = images.to(run.device, non_blocking=True), labels.to(run.device, non_blocking=True)
+            # opt1: the last batch padded with blank images to a full one (their outputs are dropped): one shape, so
+            # one compiled evaluation graph, not another for the last few images
+            images = F.pad(images, (0, 0, 0, 0, 0, 0, 0, loader.batch_size - len(images)))
             # opt1: 16-bit here too
             with torch.autocast(run.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32):
-                outputs = run.model(images)
+                outputs = run.model(images)[:len(labels)]
             total_loss += F.cross_entropy(outputs.float(), labels, reduction="sum").item()  # opt1: on float32 logits
             correct += (outputs.argmax(1) == labels).sum().item()
     return total_loss / len(loader.dataset), correct / len(loader.dataset)
@@ -100,10 +104,10 @@ def evaluate(run, loader):
 
 def main():
     args = parse_args()
-    device = common.pick_device(args)
+    device = harness.pick_device(args)
     if args.workers is None:  # opt2: the loader's worker count suits the device
         args.workers = default_workers(device)
-    common.print_settings(__file__, device, args)
+    harness.print_settings(__file__, device, args)
     # opt1: 16-bit math only where the hardware runs it: on a CPU without a bfloat16 unit it is emulated, and slow
     amp_dtype, why = autocast_dtype(device)
     print(f"precision: {why}")
@@ -126,7 +130,7 @@ def main():
         model.compile()  # opt1: fuses operations into fewer kernels: less memory traffic and Python overhead
     # opt2: label smoothing keeps the logits from growing without bound: better accuracy in few epochs
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
-    # opt1: AdamW adapts the step size per weight, so a fixed learning rate converges faster than SGD's
+    # opt1: AdamW scales each weight's step by its recent gradients, so one rate suits every layer untuned
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.05)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bfloat16 needs no scaling
     # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a
@@ -151,13 +155,13 @@ def main():
     records = []
     start = common.now(device)
     for epoch in range(1, args.epochs + 1):
-        with common.step_monitor(epoch, args.profile if epoch == args.epochs else None, device) as monitor:
+        with harness.step_monitor(epoch, args.profile if epoch == args.epochs else None, device) as monitor:
             epoch_start = common.now(device)
             train_figures = train_one_epoch(run, train_loader, epoch, monitor)
             train_seconds = common.now(device) - epoch_start
         test_figures = evaluate(run, test_loader)
-        common.record_epoch(records, train_figures, test_figures, train_seconds)
-    common.report(__file__, args, device, records, common.now(device) - start,
+        harness.record_epoch(records, train_figures, test_figures, train_seconds)
+    harness.report(__file__, args, device, records, common.now(device) - start,
                   extra={"final_lr": optimizer.param_groups[0]["lr"]})
     if args.save:
         torch.save(model.state_dict(), args.save)

@@ -16,23 +16,24 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import common
+import harness
 
 
 def parse_args():
     # opt2: a bigger batch keeps the GPU busy with fewer, larger kernels and fewer optimizer steps
-    parser = common.build_parser(__doc__, batch_size=128, lr=8e-3)
+    parser = harness.build_parser(__doc__, batch_size=128, lr=8e-3)
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="torch.compile the model; --no-compile runs eager (default: on)")
     parser.add_argument("--compile-mode", default=None,
                         choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
                         help="reduce-overhead replays CUDA graphs; max-autotune times kernel variants for "
                              "minutes, longer than a short run (default: reduce-overhead on CUDA, default on CPU)")
-    parser.add_argument("--accum-steps", type=common.positive_int, default=1,
+    parser.add_argument("--accum-steps", type=harness.positive_int, default=1,
                         help="micro-batches per optimizer step; effective batch = batch size x this (default: 1)")
-    parser.add_argument("--label-smoothing", type=common.fraction, default=0.1,
+    parser.add_argument("--label-smoothing", type=harness.fraction, default=0.1,
                         help="weight of the uniform target mixed into each label (default: 0.1)")
     args = parser.parse_args()
-    return common.check_args(args, images_per_step=args.batch_size * args.accum_steps)
+    return harness.check_args(args, images_per_step=args.batch_size * args.accum_steps)
 
 
 def autocast_dtype(device):
@@ -43,7 +44,7 @@ def autocast_dtype(device):
         # emulate bfloat16 (T4, sm_75), where inductor will not compile it and the model would run eager and slow
         if torch.cuda.is_bf16_supported(including_emulation=False):
             return torch.bfloat16, "bfloat16 autocast: this GPU runs it natively, with float32's range"
-        return torch.float16, "float16 autocast: the GPU's tensor cores run it several times faster than float32"
+        return torch.float16, "float16 autocast: no bfloat16 below sm_80; tensor cores (V100, T4) run it ~8x float32"
     unit = common.bfloat16_unit()
     if unit is not None:
         return torch.bfloat16, f"bfloat16 autocast: this CPU runs it natively ({unit})"
@@ -142,12 +143,16 @@ def evaluate(run, test_data):
     correct = torch.zeros((), dtype=torch.long, device=run.device)
     with torch.inference_mode():  # opt2: like no_grad, and also skips autograd's version tracking
         for start in range(0, len(all_labels), batch_size):
-            images = normalize(all_images[start:start + batch_size]).contiguous(memory_format=torch.channels_last)
+            images = normalize(all_images[start:start + batch_size])
+            # opt1: the last batch padded with blank images to a full one (their outputs are dropped): one shape, so
+            # one compiled evaluation graph, not another for the last few images
+            images = F.pad(images, (0, 0, 0, 0, 0, 0, 0, batch_size - len(images)))
+            images = images.contiguous(memory_format=torch.channels_last)
             labels = all_labels[start:start + batch_size]
             # opt1: 16-bit here too
             with torch.autocast(run.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32):
                 # opt3: average the logits of each image and its mirror (test-time augmentation), in one call
-                outputs = run.model(torch.cat([images, images.flip(3)])).view(2, len(labels), -1).mean(0)
+                outputs = run.model(torch.cat([images, images.flip(3)])).view(2, batch_size, -1).mean(0)[:len(labels)]
             total_loss += F.cross_entropy(outputs.float(), labels, reduction="sum")  # opt1: on float32 logits
             correct += (outputs.argmax(1) == labels).sum()
     return total_loss.item() / len(all_labels), correct.item() / len(all_labels)
@@ -155,8 +160,8 @@ def evaluate(run, test_data):
 
 def main():
     args = parse_args()
-    device = common.pick_device(args)
-    common.print_settings(__file__, device, args)
+    device = harness.pick_device(args)
+    harness.print_settings(__file__, device, args)
     # opt1: 16-bit math only where the hardware runs it: on a CPU without a bfloat16 unit it is emulated, and slow
     amp_dtype, why = autocast_dtype(device)
     print(f"precision: {why}")
@@ -185,8 +190,9 @@ def main():
             parameter.grad = torch.zeros_like(parameter)
     # opt2: label smoothing keeps the logits from growing without bound: better accuracy in few epochs
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
-    # opt1: AdamW adapts the step size per weight, so a fixed learning rate converges faster than SGD's
-    # opt3: fused=True updates all weights in a few kernels instead of several per tensor
+    # opt1: AdamW scales each weight's step by its recent gradients, so one rate suits every layer untuned
+    # opt3: fused=True does AdamW's whole update in one pass over the weights (on a GPU, one kernel for many);
+    # the default makes a pass per operation (foreach on a GPU: each over all weights; on a CPU, weight by weight)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.05, fused=True)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bfloat16 needs no scaling
     # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a
@@ -213,13 +219,13 @@ def main():
     records = []
     start = common.now(device)
     for epoch in range(1, args.epochs + 1):
-        with common.step_monitor(epoch, args.profile if epoch == args.epochs else None, device) as monitor:
+        with harness.step_monitor(epoch, args.profile if epoch == args.epochs else None, device) as monitor:
             epoch_start = common.now(device)
             train_figures = train_one_epoch(run, train_data, epoch, monitor)
             train_seconds = common.now(device) - epoch_start
         test_figures = evaluate(run, test_data)
-        common.record_epoch(records, train_figures, test_figures, train_seconds)
-    common.report(__file__, args, device, records, common.now(device) - start,
+        harness.record_epoch(records, train_figures, test_figures, train_seconds)
+    harness.report(__file__, args, device, records, common.now(device) - start,
                   extra={"final_lr": optimizer.param_groups[0]["lr"]})
     if args.save:
         torch.save(model.state_dict(), args.save)

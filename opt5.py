@@ -21,29 +21,33 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import common
+import harness
 
 
 def parse_args():
     # opt2: a bigger batch keeps the GPU busy with fewer, larger kernels and fewer optimizer steps
-    parser = common.build_parser(__doc__, batch_size=128, lr=8e-3)
+    parser = harness.build_parser(__doc__, batch_size=128, lr=8e-3)
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="torch.compile the model; --no-compile runs eager (default: on)")
     parser.add_argument("--compile-mode", default=None,
                         choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
                         help="reduce-overhead replays CUDA graphs; max-autotune times kernel variants for "
                              "minutes, longer than a short run (default: reduce-overhead on CUDA, default on CPU)")
-    parser.add_argument("--accum-steps", type=common.positive_int, default=1,
+    parser.add_argument("--accum-steps", type=harness.positive_int, default=1,
                         help="micro-batches per optimizer step; effective batch = batch size x this (default: 1)")
-    parser.add_argument("--label-smoothing", type=common.fraction, default=0.1,
+    parser.add_argument("--label-smoothing", type=harness.fraction, default=0.1,
                         help="weight of the uniform target mixed into each label (default: 0.1)")
     parser.add_argument("--min-size", type=int, default=16, choices=[8, 16, 24, 32],
                         help="image size of the first epoch; it grows to the full size (32) by the last (default: 16)")
-    parser.add_argument("--monitor-size", type=common.positive_int, default=1000,
+    parser.add_argument("--monitor-size", type=harness.positive_int, default=1000,
                         help="test images evaluated after each epoch but the last, which evaluates them all "
                              "(default: 1000)")
+    parser.add_argument("--optimizer", choices=["muon", "adamw"], default="muon",
+                        help="muon: Muon for the convolution filters and AdamW for the rest; adamw: AdamW for all, "
+                             "as opt3 (default: muon)")
     args = parser.parse_args()
     world_size = int(os.environ["WORLD_SIZE"]) if started_by_torchrun() else 1  # opt5: processes in the job
-    return common.check_args(args, images_per_step=args.batch_size * args.accum_steps * world_size)
+    return harness.check_args(args, images_per_step=args.batch_size * args.accum_steps * world_size)
 
 
 def started_by_torchrun():
@@ -59,22 +63,15 @@ def started_by_torchrun():
 
 def setup_distributed(device):
     """(rank, world size, device): torchrun's when it started us, else (0, 1, device) and no process group."""
-    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     if not started_by_torchrun():
+        gpus = torch.cuda.device_count() if device.type == "cuda" else 0
         if gpus > 1:
             print(f"{gpus} GPUs here, and one process uses one: to use them all, start "
                   f"torchrun --standalone --nproc_per_node={gpus} opt5.py ...")
         return 0, 1, device
     if device.type == "cuda":
-        local_rank = int(os.environ["LOCAL_RANK"])
-        if local_rank >= gpus:  # Slurm or MIG often shows each task one GPU
-            common.fail(f"LOCAL_RANK is {local_rank}, but this process sees {gpus} GPU(s): start at most {gpus} "
-                        f"per machine (--nproc_per_node={gpus}), or let every process see every GPU of its machine "
-                        f"(Slurm: one torchrun per node, not one per GPU)")
-        # opt5: one process per GPU; NCCL moves gradients GPU to GPU (NVLink, InfiniBand), Gloo on CPUs;
-        # naming the GPU up front binds the communicator to it (barrier() warns without)
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
+        # opt5: one process per GPU, GPU LOCAL_RANK (harness.pick_device made it current before any CUDA work); NCCL
+        # moves gradients GPU to GPU (NVLink, InfiniBand), Gloo on CPUs; naming the GPU binds the communicator to it
         dist.init_process_group("nccl", device_id=device)
     else:
         dist.init_process_group("gloo")
@@ -99,7 +96,7 @@ def average_batchnorm_statistics(model, world_size):
     """Average BatchNorm's running means and variances over the ranks, so every rank evaluates the same model.
 
     Each rank's statistics follow its own share of the data. Averaging them once per evaluation
-    replaces DDP's broadcast of rank 0's before every forward (off: common.no_buffer_broadcast()).
+    replaces DDP's broadcast of rank 0's before every forward (off: harness.no_buffer_broadcast()).
     """
     if world_size == 1:
         return
@@ -122,7 +119,7 @@ def autocast_dtype(device):
         # emulate bfloat16 (T4, sm_75), where inductor will not compile it and the model would run eager and slow
         if torch.cuda.is_bf16_supported(including_emulation=False):
             return torch.bfloat16, "bfloat16 autocast: this GPU runs it natively, with float32's range"
-        return torch.float16, "float16 autocast: the GPU's tensor cores run it several times faster than float32"
+        return torch.float16, "float16 autocast: no bfloat16 below sm_80; tensor cores (V100, T4) run it ~8x float32"
     unit = common.bfloat16_unit()
     if unit is not None:
         return torch.bfloat16, f"bfloat16 autocast: this CPU runs it natively ({unit})"
@@ -189,6 +186,66 @@ def epoch_batches(size, batch_size, generator, device, rank, world_size):
     return permutation[: size // global_batch * global_batch].view(-1, world_size, batch_size)[:, rank]
 
 
+def orthogonalize(matrix, steps, dtype):
+    """Roughly the semi-orthogonal matrix nearest `matrix` (U V^T of its SVD), by `steps` Newton-Schulz iterations in
+    `dtype`: matmuls only, no SVD. Keller Jordan's coefficients take every singular value near 1 (0.7-1.2) in 5 steps,
+    rather than to exactly 1 in many more, and that trains as well."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = matrix.to(dtype)
+    tall = x.shape[0] > x.shape[1]
+    if tall:
+        x = x.T  # x @ x.T is then the smaller of the two Gram matrices
+    x = x / x.norm().clamp(min=1e-7)  # the Frobenius norm bounds the largest singular value: now all are at most 1
+    for _ in range(steps):
+        gram = x @ x.T
+        # a x + b x^3 + c x^5 on each singular value; addmm rounds its sum once, not once per term
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon (Keller Jordan, 2024) for the convolution filters and AdamW for every other parameter, in one optimizer, so
+    OneCycleLR cycles both rates and both momenta (betas[0]) and GradScaler and zero_grad see every parameter.
+
+    A filter's step is its Nesterov momentum, seen as a matrix (out x in*k*k) and orthogonalized: every direction gets
+    a step of the same size, so the rare directions that a gradient step all but ignores learn as fast as the common
+    ones. Scaled by 0.2 sqrt(max(out, in*k*k)), its size matches AdamW's (Moonlight, Liu et al., 2025), so AdamW's
+    rate and weight decay carry over. torch.optim.Muon (torch 2.9 and newer) takes 2-D weights only.
+    """
+
+    def __init__(self, parameters, lr, weight_decay, dtype, steps=5):
+        parameters = list(parameters)
+        groups = [{"params": [parameter for parameter in parameters if parameter.ndim == 4], "muon": True},
+                  {"params": [parameter for parameter in parameters if parameter.ndim != 4], "muon": False}]
+        super().__init__(groups, {"lr": lr, "weight_decay": weight_decay, "betas": (0.9, 0.999), "eps": 1e-8})
+        self.dtype, self.steps = dtype, steps
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            lr, (beta1, beta2) = group["lr"], group["betas"]
+            for parameter in group["params"]:
+                if parameter.grad is None:
+                    continue
+                grad, state = parameter.grad, self.state[parameter]
+                if not state:  # Muon keeps a momentum per filter, AdamW also a mean square per weight
+                    state.update(step=0, exp_avg=torch.zeros_like(parameter))
+                    if not group["muon"]:
+                        state["exp_avg_sq"] = torch.zeros_like(parameter)
+                state["step"] += 1
+                parameter.mul_(1 - lr * group["weight_decay"])  # decoupled weight decay, as AdamW's
+                momentum = state["exp_avg"].lerp_(grad, 1 - beta1)
+                if group["muon"]:
+                    update = grad.lerp(momentum, beta1).flatten(1)  # Nesterov momentum; the filter as a matrix
+                    scale = 0.2 * max(update.shape) ** 0.5
+                    update = orthogonalize(update, self.steps, self.dtype).reshape(parameter.shape)
+                    parameter.add_(update, alpha=-lr * scale)
+                else:
+                    state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                    denominator = (state["exp_avg_sq"] / (1 - beta2 ** state["step"])).sqrt_().add_(group["eps"])
+                    parameter.addcdiv_(momentum, denominator, value=-lr / (1 - beta1 ** state["step"]))
+
+
 def train_one_epoch(run, train_data, epoch, monitor, size):
     """One pass over `train_data`; returns mean loss, accuracy, optimizer steps and images trained on."""
     run.model.train()
@@ -250,8 +307,8 @@ def evaluate(run, test_data, size):
     with torch.inference_mode():  # opt2: like no_grad, and also skips autograd's version tracking
         for start in range(0, len(all_labels), batch_size):
             images = normalize(all_images[start:start + batch_size])
-            # opt4: the last batch padded with blank images to a full one (their outputs are dropped): one shape, so one
-            # evaluation graph per size; dynamic=False compiles each new shape, and past 8 graphs runs new ones eager
+            # opt1: the last batch padded with blank images to a full one (their outputs are dropped): one shape, so
+            # one compiled evaluation graph, not another for the last few images
             images = F.pad(images, (0, 0, 0, 0, 0, 0, 0, batch_size - len(images)))
             # opt4: at the size just trained on: its BatchNorm statistics are of images that size
             images = downscale(images, size).contiguous(memory_format=torch.channels_last)
@@ -271,18 +328,20 @@ def evaluate(run, test_data, size):
 
 def main():
     args = parse_args()
-    rank, world_size, device = setup_distributed(common.pick_device(args))
-    try:
-        train(args, rank, world_size, device)
-    finally:
-        if world_size > 1:
-            dist.destroy_process_group()  # frees the communicators, also on error (torchrun stops the other ranks)
+    rank, world_size, device = setup_distributed(harness.pick_device(args))
+    harness.check_ddp_cuda_graphs(args, device, world_size)
+    train(args, rank, world_size, device)
+    if world_size > 1:
+        # opt5: the ranks leave together: one that destroys its process group while another is still at work can leave
+        # that one hanging in Gloo's destructor (torch 2.6), and torchrun would wait for it for ever
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def train(args, rank, world_size, device):
     if rank != 0:
         sys.stdout = open(os.devnull, "w")  # opt5: one log: only rank 0 prints
-    common.print_settings(__file__, device, args)
+    harness.print_settings(__file__, device, args)
     # opt1: 16-bit math only where the hardware runs it: on a CPU without a bfloat16 unit it is emulated, and slow
     amp_dtype, why = autocast_dtype(device)
     print(f"precision: {why}")
@@ -328,15 +387,21 @@ def train(args, rank, world_size, device):
         # are views of the buckets (no copy); no BatchNorm broadcast before every forward (average_batchnorm_statistics)
         train_model = DistributedDataParallel(
             model, device_ids=[device] if device.type == "cuda" else None, gradient_as_bucket_view=True,
-            **common.no_buffer_broadcast())
+            **harness.no_buffer_broadcast())
     # opt2: label smoothing keeps the logits from growing without bound: better accuracy in few epochs
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
-    # opt1: AdamW adapts the step size per weight, so a fixed learning rate converges faster than SGD's
-    # opt3: fused=True updates all weights in a few kernels instead of several per tensor
     # opt5: --lr is the rate for one process's step of --batch-size x --accum-steps images, as in opt4; world_size
     # processes make the global batch world_size times larger, averaging away noise: scale the rate by its square root
     max_lr = args.lr * world_size ** 0.5
-    optimizer = torch.optim.AdamW(model.parameters(), lr=max_lr, weight_decay=0.05, fused=True)
+    if args.optimizer == "muon":
+        # opt4: Muon for the filters: more accuracy per epoch, for the cost of its update (see Muon);
+        # Newton-Schulz in the 16-bit type the hardware runs natively, in float32 where it has none
+        optimizer = Muon(model.parameters(), lr=max_lr, weight_decay=0.05, dtype=amp_dtype)
+    else:
+        # opt1: AdamW scales each weight's step by its recent gradients, so one rate suits every layer untuned
+        # opt3: fused=True does AdamW's whole update in one pass over the weights (on a GPU, one kernel for many);
+        # the default makes a pass per operation (foreach on a GPU: each over all weights; on a CPU, weight by weight)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=max_lr, weight_decay=0.05, fused=True)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bfloat16 needs no scaling
     # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a
     # fixed rate; its length counts optimizer steps, not micro-batches
@@ -372,18 +437,18 @@ def train(args, rank, world_size, device):
     for epoch in range(1, args.epochs + 1):
         size = image_size(epoch, args.epochs, args.min_size, full_size=train_data[0].shape[-1])
         profile_dir = args.profile if epoch == args.epochs and rank == 0 else None
-        with common.step_monitor(epoch, profile_dir, device) as monitor:
+        with harness.step_monitor(epoch, profile_dir, device) as monitor:
             epoch_start = common.now(device)
             train_figures = train_one_epoch(run, train_data, epoch, monitor, size)
             train_seconds = common.now(device) - epoch_start
         average_batchnorm_statistics(model, world_size)  # opt5: every rank evaluates and saves the same model
         evaluated = test_data if epoch == args.epochs else monitor_data
         test_figures = evaluate(run, evaluated, size)
-        common.record_epoch(records, train_figures, test_figures, train_seconds, image_size=size,
+        harness.record_epoch(records, train_figures, test_figures, train_seconds, image_size=size,
                             test_images=len(evaluated[1]))
     if rank != 0:
         return  # opt5: rank 0 alone writes the report, the weights and the trace
-    common.report(__file__, args, device, records, common.now(device) - start,
+    harness.report(__file__, args, device, records, common.now(device) - start,
                   extra={"final_lr": optimizer.param_groups[0]["lr"], "world_size": world_size})
     if args.save:
         torch.save(model.state_dict(), args.save)

@@ -15,6 +15,7 @@ import statistics
 from pathlib import Path
 
 import common
+import harness
 
 CHAIN = ["baseline.py", "opt1.py", "opt2.py", "opt3.py"]
 CONVERGENCE = ["opt3.py", "opt4.py"]  # the step opt4 takes, and the rung it is measured against
@@ -22,7 +23,7 @@ DEFAULT_EPOCHS = 5  # opt3's and opt4's --epochs default: the runs the curve sum
 
 
 def parse_args():
-    parser = common.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = harness.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", default="results/chain-5-epochs.jsonl",
                         help="the scripts' --json lines of real-data runs (default: results/chain-5-epochs.jsonl)")
     parser.add_argument("--ladder", default="results/ladder.jsonl",
@@ -103,8 +104,8 @@ def markdown_tables(runs, ladder, convergence, curve, seeds, ablation):
               "|---|---|---|---|---|---|---|"]
     for row in ladder["rows"]:
         lines.append(f"| {row['name']} | {row['images_per_second']:.0f} | {row['ms_per_step']:.1f} "
-                     f"| {row['warmup_seconds']:.1f} | {common.shown(row['peak_memory_gib'], '.2f')} "
-                     f"| {row['tflops']:.3f} | {common.shown(row['percent_of_bf16_peak'], '.0f')} |")
+                     f"| {row['warmup_seconds']:.1f} | {harness.shown(row['peak_memory_gib'], '.2f')} "
+                     f"| {row['tflops']:.3f} | {harness.shown(row['percent_of_bf16_peak'], '.0f')} |")
     opt3_minutes = [run["launch_to_result_seconds"] / 60 for run in convergence if run["script"] == "opt3.py"]
     lines += ["", *timed_runs_table(convergence, statistics.mean(opt3_minutes) if opt3_minutes else None)]
     lines += ["", *timed_runs_table(curve, opt3_default_minutes(curve)), "", *curve_summary(curve),
@@ -157,7 +158,7 @@ def timed_runs_table(runs, reference_minutes):
     for run in runs:
         sizes = ", ".join(str(record.get("image_size", 32)) for record in run["epochs"])
         minutes = run["launch_to_result_seconds"] / 60
-        share = common.shown(reference_minutes and minutes / reference_minutes, ".0%")
+        share = harness.shown(reference_minutes and minutes / reference_minutes, ".0%")
         lines.append(f"| `{run['script']}` | `{flags(run)}` | {sizes} | {100 * run['final_test_accuracy']:.1f} "
                      f"| {minutes:.1f} | {share} |")
     return lines
@@ -307,7 +308,7 @@ def main():
     try:
         import matplotlib  # noqa: F401  (imported here so a missing install is one clear line)
     except ImportError:
-        common.fail("plot.py needs matplotlib: pip install matplotlib==3.11.2 (or pip install -r requirements.txt)")
+        common.fail("plot.py needs matplotlib: pip install matplotlib==3.11.2 (or pip install -r requirements-dev.txt)")
     draw(runs, ladder, curve, args.out)
     print(f"wrote {args.out}")
 

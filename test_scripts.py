@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -28,6 +29,7 @@ import ablation
 import baseline
 import benchmark
 import common
+import harness
 import opt1
 import opt2
 import opt3
@@ -43,7 +45,7 @@ CPU = torch.device("cpu")
 # Point downloads at a closed local port, so "no network" fails at once on any machine.
 NO_NETWORK = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}
 SMALL = ["--synthetic", "--device", "cpu", "--test-size", "256"]
-NO_MONITOR = SimpleNamespace(step=lambda: None)  # what common.step_monitor yields, minus progress and profiling
+NO_MONITOR = SimpleNamespace(step=lambda: None)  # what harness.step_monitor yields, minus progress and profiling
 # What opt1 onwards run on this machine's CPU: bfloat16 where it has a bfloat16 unit, else float32.
 CPU_AMP_DTYPE = opt1.autocast_dtype(CPU)[0]
 
@@ -155,19 +157,20 @@ def test_help_documents_every_flag_with_its_default(script):
     assert all("default" in text for text in help_texts), help_texts
 
 
-@pytest.mark.parametrize("module", [*ALL_SCRIPTS.values(), common], ids=[*ALL_SCRIPTS, "common.py"])
+@pytest.mark.parametrize("module", [*ALL_SCRIPTS.values(), common, harness],
+                         ids=[*ALL_SCRIPTS, "common.py", "harness.py"])
 def test_no_function_takes_more_than_six_parameters(module):
     # Settings reach train_one_epoch and evaluate as one object, `run`: a signature names what the function works on.
     functions = [value for value in vars(module).values()
                  if inspect.isfunction(value) and value.__module__ == module.__name__]
     parameters = {function.__name__: len(inspect.signature(function).parameters) for function in functions}
-    assert "train_one_epoch" in parameters or module is common
+    assert "train_one_epoch" in parameters or module in (common, harness)
     assert {name: count for name, count in parameters.items() if count > 6} == {}
 
 
 def test_settings_line_shows_zero_and_off_values(capsys):
     args = SimpleNamespace(seed=0, label_smoothing=0.0, compile=False, json=None)
-    common.print_settings("opt2.py", CPU, args)
+    harness.print_settings("opt2.py", CPU, args)
     assert capsys.readouterr().out == "opt2.py on cpu: seed 0, label_smoothing 0.0, compile False\n"
 
 
@@ -269,12 +272,12 @@ def test_a_torch_older_than_the_floor_exits_2_with_one_line_and_the_floor_is_req
     result = run_on_fake_machine('torch.__version__ = "2.4.1+cu121"', "opt2.py", *NO_DATA)
     assert_one_error_line(result, "torch 2.4.1+cu121 is older than 2.6, the oldest these scripts run on")
     floor = re.search(r"^torch>=([\d.]+)$", (ROOT / "requirements.txt").read_text(), re.MULTILINE).group(1)
-    assert tuple(map(int, floor.split("."))) == common.OLDEST_TORCH
+    assert tuple(map(int, floor.split("."))) == harness.OLDEST_TORCH
 
 
 def test_a_containers_pre_release_build_of_the_floor_is_the_floor(monkeypatch):
     monkeypatch.setattr(torch, "__version__", "2.6.0a0+ecf3bae40a")  # as NVIDIA's containers name theirs
-    common.check_torch_version()  # no exit
+    harness.check_torch_version()  # no exit
 
 
 @pytest.mark.floor
@@ -303,7 +306,7 @@ def test_a_driver_too_old_for_a_cuda_12_build_is_told_to_update_the_driver_only(
 
     monkeypatch.setattr(torch.cuda, "is_available", is_available)
     monkeypatch.setattr(torch.version, "cuda", "12.4")
-    assert common.why_no_cuda() == ("a GPU is here, but its NVIDIA driver is too old for this torch's CUDA 12.4 (it "
+    assert harness.why_no_cuda() == ("a GPU is here, but its NVIDIA driver is too old for this torch's CUDA 12.4 (it "
                                     "runs CUDA 11.4 at most)", "update the driver to 525 or newer")
 
 
@@ -320,7 +323,7 @@ def test_a_cpu_only_torch_build_says_so_and_how_to_get_a_cuda_build():
 def test_macos_says_it_has_no_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(sys, "platform", "darwin")
-    assert common.why_no_cuda() == ("macOS has no CUDA", None)
+    assert harness.why_no_cuda() == ("macOS has no CUDA", None)
 
 
 @pytest.mark.parametrize("script", ["baseline.py", "opt4.py"])
@@ -347,10 +350,10 @@ def test_gpu_architecture_check_follows_cudas_compatibility_rules(capability, ar
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "GPU")
     monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: architectures)
     if runs:
-        common.check_gpu_architectures()
+        harness.check_gpu_architectures()
     else:
         with pytest.raises(SystemExit):
-            common.check_gpu_architectures()
+            harness.check_gpu_architectures()
 
 
 def fake_compile_failure(*names):
@@ -371,11 +374,11 @@ def fake_compile_failure(*names):
 ])
 def test_a_failed_compile_is_named_by_its_innermost_cause(names, says, monkeypatch):
     monkeypatch.setattr(sys, "platform", "linux")
-    assert says in common.compile_failure(fake_compile_failure(*names))
+    assert says in harness.compile_failure(fake_compile_failure(*names))
     # Inductor's InductorError keeps the cause in inner_exception, not __cause__
     error = fake_compile_failure(names[0])
     error.inner_exception = fake_compile_failure(*names[1:])
-    assert says in common.compile_failure(error)
+    assert says in harness.compile_failure(error)
 
 
 def test_a_compile_that_fails_here_says_why_in_one_line_and_the_run_goes_on_eager(tmp_path):
@@ -586,14 +589,14 @@ def test_clock_waits_for_the_gpu_before_reading_the_time(monkeypatch):
 
 def test_progress_prints_a_line_every_30_seconds_of_a_long_epoch(capsys):
     seconds = iter([0, 10, 20, 31, 40, 62])  # the monitor's clock: at the start, then at each step
-    with common.step_monitor(2, None, CPU, clock=lambda: next(seconds)) as monitor:
+    with harness.step_monitor(2, None, CPU, clock=lambda: next(seconds)) as monitor:
         for _ in range(5):
             monitor.step()
     assert capsys.readouterr().out == "  epoch 2: 3 steps in 31 s\n  epoch 2: 5 steps in 62 s\n"
 
 
 def test_progress_is_silent_in_a_short_epoch(capsys):
-    with common.step_monitor(1, None, CPU) as monitor:
+    with harness.step_monitor(1, None, CPU) as monitor:
         for _ in range(100):
             monitor.step()
     assert capsys.readouterr().out == ""
@@ -605,21 +608,21 @@ def test_steady_state_excludes_the_first_epoch():
                 "launch_seconds": 9.0}
 
     records = [record(100.0), record(10.0), record(10.0)]
-    summary = common.summarize(records, total_seconds=125.0, peak_memory=1, flops_per_image=1e9)
+    summary = harness.summarize(records, total_seconds=125.0, peak_memory=1, flops_per_image=1e9)
     assert summary["steady_images_per_second"] == pytest.approx(100.0)
     assert summary["steady_ms_per_step"] == pytest.approx(1000.0)
     assert summary["warmup_seconds"] == pytest.approx(90.0)
     assert summary["achieved_tflops"] == pytest.approx(100.0 * 1e9 / 1e12)
-    no_slower = common.summarize([record(10.0), record(10.5)], total_seconds=25.0, peak_memory=1, flops_per_image=1e9)
+    no_slower = harness.summarize([record(10.0), record(10.5)], total_seconds=25.0, peak_memory=1, flops_per_image=1e9)
     assert no_slower["warmup_seconds"] == 0.0, "machine noise must not show as negative warm-up"
-    one_epoch = common.summarize(records[:1], total_seconds=100.0, peak_memory=1, flops_per_image=1e9)
+    one_epoch = harness.summarize(records[:1], total_seconds=100.0, peak_memory=1, flops_per_image=1e9)
     assert one_epoch["steady_images_per_second"] is None and one_epoch["warmup_seconds"] is None
 
 
-def test_common_imports_without_resource_and_then_leaves_peak_memory_unmeasured():
+def test_harness_imports_without_resource_and_then_leaves_peak_memory_unmeasured():
     # Windows has no `resource` module: the scripts must still import and run, with peak memory "not measured".
-    code = "import sys; sys.modules['resource'] = None; import common, torch; " \
-           "print(common.peak_memory_bytes(torch.device('cpu')))"
+    code = "import sys; sys.modules['resource'] = None; import harness, torch; " \
+           "print(harness.peak_memory_bytes(torch.device('cpu')))"
     result = run_script("-c", code)
     assert result.returncode == 0 and result.stdout.strip() == "None", result.stderr
 
@@ -627,8 +630,8 @@ def test_common_imports_without_resource_and_then_leaves_peak_memory_unmeasured(
 @pytest.mark.parametrize("platform, unit", [("linux", 1024), ("darwin", 1)])
 def test_peak_memory_reads_kib_on_linux_and_bytes_on_macos(platform, unit, monkeypatch):
     monkeypatch.setattr(sys, "platform", platform)
-    monkeypatch.setattr(common.resource, "getrusage", lambda who: SimpleNamespace(ru_maxrss=5000))
-    assert common.peak_memory_bytes(CPU) == 5000 * unit
+    monkeypatch.setattr(harness.resource, "getrusage", lambda who: SimpleNamespace(ru_maxrss=5000))
+    assert harness.peak_memory_bytes(CPU) == 5000 * unit
 
 
 def test_resnet10_shape_and_flop_count():
@@ -636,7 +639,7 @@ def test_resnet10_shape_and_flop_count():
     assert sum(p.numel() for p in model.parameters()) == 4_903_242
     assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
     # Forward is ~0.25 GMAC = 0.5 GFLOP per image; backward costs about twice the forward.
-    assert 1.3e9 < common.training_flops_per_image() < 1.7e9
+    assert 1.3e9 < harness.training_flops_per_image() < 1.7e9
 
 
 def test_synthetic_data_is_deterministic_and_shares_class_images():
@@ -729,14 +732,14 @@ class RecordingResNet10(common.ResNet10):
         return outputs
 
 
-# script: (channels_last (input, weights), fused AdamW, label smoothing)
+# script: (channels_last (input, weights), optimizer, label smoothing)
 IN_EFFECT = {
     "baseline.py": ((False, False), None, 0.0),
-    "opt1.py": ((False, False), False, 0.0),
-    "opt2.py": ((False, False), False, 0.1),
-    "opt3.py": ((True, True), True, 0.1),
-    "opt4.py": ((True, True), True, 0.1),
-    "opt5.py": ((True, True), True, 0.1),
+    "opt1.py": ((False, False), "AdamW", 0.0),
+    "opt2.py": ((False, False), "AdamW", 0.1),
+    "opt3.py": ((True, True), "fused AdamW", 0.1),
+    "opt4.py": ((True, True), "Muon", 0.1),
+    "opt5.py": ((True, True), "Muon", 0.1),
 }
 
 
@@ -750,7 +753,12 @@ def test_each_scripts_optimizations_are_in_effect(script, bfloat16_unit, monkeyp
     class AdamW(torch.optim.AdamW):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            created["fused"] = bool(self.defaults["fused"])
+            created["optimizer"] = "fused AdamW" if self.defaults["fused"] else "AdamW"
+
+    class Muon(getattr(ALL_SCRIPTS[script], "Muon", torch.optim.Optimizer)):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            created.update(optimizer="Muon", newton_schulz_dtype=self.dtype)
 
     class CrossEntropyLoss(nn.CrossEntropyLoss):
         def __init__(self, *args, **kwargs):
@@ -762,16 +770,20 @@ def test_each_scripts_optimizations_are_in_effect(script, bfloat16_unit, monkeyp
     monkeypatch.setattr(common, "ResNet10", RecordingResNet10)
     monkeypatch.setattr(torch.optim, "AdamW", AdamW)
     monkeypatch.setattr(nn, "CrossEntropyLoss", CrossEntropyLoss)
+    if hasattr(ALL_SCRIPTS[script], "Muon"):
+        monkeypatch.setattr(ALL_SCRIPTS[script], "Muon", Muon)
     flags = [] if script == "baseline.py" else ["--no-compile"]
     flags += ["--workers", "0"] if script == "opt2.py" else []
     monkeypatch.setattr(sys, "argv", [script, *SMALL, *flags, "--epochs", "1", "--train-size", "80",
                                       "--batch-size", "16", "--test-size", "16"])
     ALL_SCRIPTS[script].main()
     seen = RecordingResNet10.seen
-    assert (seen["channels_last"], created.get("fused"), created["label_smoothing"]) == IN_EFFECT[script]
+    assert (seen["channels_last"], created.get("optimizer"), created["label_smoothing"]) == IN_EFFECT[script]
     # The 16-bit type where the CPU has a bfloat16 unit, else float32; the baseline is always float32.
     expected = torch.bfloat16 if bfloat16_unit and script != "baseline.py" else torch.float32
     assert seen["logits_dtype"] == expected
+    if created.get("optimizer") == "Muon":  # its Newton-Schulz matmuls too: emulated bfloat16 would be ~12x slower
+        assert created["newton_schulz_dtype"] == expected
     lines = capsys.readouterr().out.splitlines()
     if script != "baseline.py":  # the run says which precision it chose, and why, before it trains
         precision = next(index for index, line in enumerate(lines) if line.startswith("precision: "))
@@ -815,7 +827,7 @@ def test_bfloat16_only_on_a_cpu_that_runs_it_natively(cpu, monkeypatch):
     capabilities, dtype, unit = CAPABILITIES[cpu]
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"cpu_name": "Test CPU", **capabilities})
     assert common.bfloat16_unit() == unit
-    assert common.cpu_name() == f"Test CPU ({unit or 'no bf16 unit'})"
+    assert harness.cpu_name() == f"Test CPU ({unit or 'no bf16 unit'})"
     for script in ("opt1.py", "opt2.py", *FUSED_ADAMW):
         chosen, why = ALL_SCRIPTS[script].autocast_dtype(CPU)
         assert chosen == dtype and why.startswith(str(dtype).removeprefix("torch."))
@@ -867,15 +879,18 @@ def train_float16_epoch(script, model, optimizer, scaler, images=64):
                 rank=0, world_size=1, device=CPU, epoch=1, monitor=NO_MONITOR, size=32)
 
 
-def shipped_adamw(script, model):
-    """AdamW as `script` builds it: opt3 onwards fused, so GradScaler leaves unscaling and inf checks to the kernel."""
+def shipped_optimizer(script, model):
+    """The optimizer as `script` builds it: AdamW, from opt3 on fused, so GradScaler leaves unscaling and inf checks to
+    the kernel; opt4 and opt5 Muon for the filters, its Newton-Schulz matmuls in float16 as on a GPU without bfloat16."""
+    if hasattr(ALL_SCRIPTS[script], "Muon"):
+        return ALL_SCRIPTS[script].Muon(model.parameters(), lr=1e-2, weight_decay=0.05, dtype=torch.float16)
     return torch.optim.AdamW(model.parameters(), lr=1e-2, fused=script in FUSED_ADAMW)
 
 
-@pytest.mark.parametrize("script", ["opt1.py", "opt2.py", "opt3.py", "opt5.py"])
+@pytest.mark.parametrize("script", ["opt1.py", "opt2.py", "opt3.py", "opt4.py", "opt5.py"])
 def test_float16_with_grad_scaler_learns_and_moves_the_scale(script):
     model = small_net()
-    optimizer = shipped_adamw(script, model)
+    optimizer = shipped_optimizer(script, model)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)  # grows after every good step
     first_loss = train_float16_epoch(script, model, optimizer, scaler)[0]
     for _ in range(4):
@@ -884,12 +899,12 @@ def test_float16_with_grad_scaler_learns_and_moves_the_scale(script):
     assert scaler.get_scale() != 2.0**8, "the loss scale never moved"
 
 
-@pytest.mark.parametrize("script", ["opt1.py", "opt2.py", "opt3.py", "opt5.py"])
+@pytest.mark.parametrize("script", ["opt1.py", "opt2.py", "opt3.py", "opt4.py", "opt5.py"])
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step:UserWarning")  # a skipped step
 def test_a_float16_step_with_infinite_gradients_is_skipped(script):
     model = small_net()
     before = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
-    optimizer = shipped_adamw(script, model)
+    optimizer = shipped_optimizer(script, model)
     # A scale of 2^100 overflows every float16 gradient: each step's gradients hold inf.
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**100)
     _, _, steps, _ = train_float16_epoch(script, model, optimizer, scaler, images=32)
@@ -905,10 +920,10 @@ def compiled_run(script, flags, folder):
     """`script`'s main() compiled, in this process; returns the dynamo counters and the line printed after each
     epoch, and the report."""
     from torch._dynamo.utils import counters
-    common.compile_problem(CPU)  # main()'s trial compile, done once per process: not counted among the script's graphs
+    harness.compile_problem(CPU)  # main()'s trial compile, done once per process: not counted among the script's graphs
     torch._dynamo.reset()
     counters.clear()
-    after_each_epoch, real_record_epoch = [], common.record_epoch
+    after_each_epoch, real_record_epoch = [], harness.record_epoch
 
     def record_epoch(*args, **kwargs):
         printed = io.StringIO()
@@ -919,7 +934,7 @@ def compiled_run(script, flags, folder):
 
     json_path = folder / "result.json"
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(common, "record_epoch", record_epoch)
+        patch.setattr(harness, "record_epoch", record_epoch)
         # 40 test images in batches of 16: the evaluation ends on a partial batch.
         patch.setattr(sys, "argv", [script, *SMALL, "--train-size", "96", "--batch-size", "16", "--test-size", "40",
                                     *flags, "--json", str(json_path)])
@@ -936,9 +951,18 @@ def test_opt3_compiles_without_graph_breaks_and_never_recompiles(compiled_opt3_r
     after_each_epoch, report = compiled_opt3_run
     assert report["settings"]["compile"] and len(after_each_epoch) == 3
     assert [epoch["graph_breaks"] for epoch in after_each_epoch] == [0, 0, 0]
-    graphs = [epoch["graphs"] for epoch in after_each_epoch]
-    # Training and evaluation (the partial last batch included) compile in epoch 1; later epochs reuse them.
-    assert 2 <= graphs[0] <= 3 and graphs == [graphs[0]] * 3, graphs
+    # Training and evaluation compile in epoch 1, the partial last test batch padded to the same shape; later epochs
+    # reuse them.
+    assert [epoch["graphs"] for epoch in after_each_epoch] == [2, 2, 2]
+
+
+@pytest.mark.parametrize("script", ["opt1.py", "opt2.py"])
+def test_opt1_and_opt2_compile_one_graph_for_training_and_one_for_evaluation(script, tmp_path):
+    # 40 test images in batches of 16: unpadded, the last batch of 8 would compile a third graph.
+    after_each_epoch, report = compiled_run(script, ["--epochs", "2"], tmp_path)
+    assert report["settings"]["compile"]
+    assert [epoch["graph_breaks"] for epoch in after_each_epoch] == [0, 0]
+    assert [epoch["graphs"] for epoch in after_each_epoch] == [2, 2]
 
 
 HOST_READS = {"item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__", "__format__",
@@ -1062,7 +1086,7 @@ def test_opt4_trains_each_epoch_on_its_image_size_and_evaluates_all_test_images_
         images.clear()
     json_path, weights = tmp_path / "result.json", tmp_path / "weights.pt"
     monkeypatch.setattr(common, "ResNet10", SizeRecordingResNet10)
-    monkeypatch.setattr(common, "training_flops_per_image", lambda: 1.0)  # it would run a ResNet10 of its own
+    monkeypatch.setattr(harness, "training_flops_per_image", lambda: 1.0)  # it would run a ResNet10 of its own
     evaluated, real_evaluate = [], opt4.evaluate
     monkeypatch.setattr(opt4, "evaluate", lambda run, test_data, size: evaluated.append(test_data) or
                         real_evaluate(run, test_data, size))
@@ -1090,6 +1114,64 @@ def test_opt4_trains_each_epoch_on_its_image_size_and_evaluates_all_test_images_
     assert 0 < launch[0] < launch[1] < launch[2] == report["launch_to_result_seconds"]
     assert report["epochs"][-1]["train_loss"] < report["epochs"][0]["train_loss"]
     assert_saved_weights_match_the_report(weights, report, opt4, transform=None)
+
+
+# ------------------------------------------------------------------- opt4: Muon for the convolution filters
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon arrived in torch 2.9")
+def test_opt4_muon_steps_a_filter_as_torch_optim_muon_steps_its_matrix_and_the_rest_as_adamw():
+    torch.manual_seed(0)
+    filter_, shift = torch.randn(16, 8, 3, 3), torch.randn(16)
+    # A 3x3 filter, channels_last as in the scripts; torch's Muon takes its 16 x 72 matrix (2-D weights only).
+    ours = [nn.Parameter(filter_.contiguous(memory_format=torch.channels_last)), nn.Parameter(shift.clone())]
+    theirs = [nn.Parameter(filter_.flatten(1).clone()), nn.Parameter(shift.clone())]
+    muon = opt4.Muon(ours, lr=0.01, weight_decay=0.05, dtype=torch.bfloat16)
+    # The same coefficients and 5 steps (torch's defaults, in bfloat16), Nesterov momentum 0.9 (ours: betas[0]), and
+    # the update scaled to AdamW's size (Moonlight's 0.2 sqrt(max(rows, columns))); AdamW's settings for the rest
+    references = [torch.optim.Muon(theirs[:1], lr=0.01, weight_decay=0.05, momentum=0.9, nesterov=True,
+                                   adjust_lr_fn="match_rms_adamw"),
+                  torch.optim.AdamW(theirs[1:], lr=0.01, weight_decay=0.05, betas=(0.9, 0.999), eps=1e-8)]
+    for _ in range(3):
+        gradients = torch.randn(16, 8, 3, 3), torch.randn(16)
+        ours[0].grad = gradients[0].contiguous(memory_format=torch.channels_last)
+        ours[1].grad, theirs[0].grad, theirs[1].grad = gradients[1].clone(), gradients[0].flatten(1), gradients[1]
+        muon.step()
+        for reference in references:
+            reference.step()
+    moved = (theirs[0] - filter_.flatten(1)).abs().mean()  # what 3 steps moved each weight, on average
+    assert moved > 1e-3
+    torch.testing.assert_close(ours[0].detach().flatten(1), theirs[0].detach(), rtol=0, atol=moved.item() * 2**-8)
+    torch.testing.assert_close(ours[1].detach(), theirs[1].detach())
+
+
+@pytest.mark.parametrize("shape", [(64, 27), (27, 64), (128, 1152)])  # the stem, its transpose, a layer-2 filter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opt4_orthogonalize_takes_every_singular_value_near_1(shape, dtype):
+    torch.manual_seed(0)
+    matrix = torch.randn(shape) * torch.logspace(0, -1, shape[1])  # singular values spread over 10x
+    result = opt4.orthogonalize(matrix, steps=5, dtype=dtype)
+    assert result.shape == shape and result.dtype == dtype
+    singular_values = torch.linalg.svdvals(result.float())
+    assert 0.6 < singular_values.min() and singular_values.max() < 1.25, singular_values.aminmax()
+
+
+def test_opt4_muon_is_one_optimizer_for_onecycle_and_zero_grad():
+    model = small_net()
+    muon = opt4.Muon(model.parameters(), lr=0.01, weight_decay=0.05, dtype=torch.float32)
+    filters = [parameter for parameter in model.parameters() if parameter.ndim == 4]
+    assert [group["muon"] for group in muon.param_groups] == [True, False]
+    assert muon.param_groups[0]["params"] == filters and len(filters) == 1
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(muon, max_lr=0.01, total_steps=8, pct_start=0.25)
+    for _ in range(2):
+        for parameter in model.parameters():
+            parameter.grad = torch.ones_like(parameter)
+        muon.step()
+        scheduler.step()
+    # OneCycleLR sets both groups' rate and momentum (betas[0]): Muon's momentum cycles as AdamW's does
+    assert len({group["lr"] for group in muon.param_groups}) == 1 and muon.param_groups[0]["lr"] != 0.01 / 25
+    assert len({group["betas"] for group in muon.param_groups}) == 1 and muon.param_groups[0]["betas"][0] < 0.95
+    muon.zero_grad(set_to_none=False)
+    assert all(not parameter.grad.any() for parameter in model.parameters())
 
 
 @pytest.mark.floor
@@ -1141,7 +1223,7 @@ def test_benchmark_prints_a_row_per_script_and_writes_its_data(tmp_path):
     assert table[2].split("|")[3].strip() == "1.00x"
     *runs, summary = [json.loads(line) for line in json_path.read_text().splitlines()]
     assert [run["benchmark_run"] for run in runs] == ["baseline.py", "opt1.py", "opt2.py", "opt3.py"]
-    assert all(run["settings"]["compile"] is False for run in runs[1:]) and runs[0]["cpu"] == common.cpu_name()
+    assert all(run["settings"]["compile"] is False for run in runs[1:]) and runs[0]["cpu"] == harness.cpu_name()
     assert summary["benchmark"] == "chain" and summary["float32_peak_tflops"] > 0 and len(summary["rows"]) == 4
     assert (summary["bf16_peak_tflops"] is not None) == (common.bfloat16_unit() is not None)
     assert f"{summary['rows'][1]['images_per_second']:.0f}" == table[3].split("|")[2].strip()
@@ -1374,7 +1456,7 @@ def plot_tables(folder):
 
 
 def test_plot_draws_the_figure_from_json_lines(tmp_path):
-    pytest.importorskip("matplotlib", reason="plot.py needs matplotlib (pip install -r requirements.txt)")
+    pytest.importorskip("matplotlib", reason="plot.py needs matplotlib (pip install -r requirements-dev.txt)")
     data = write_plot_fixture(tmp_path)
     out = tmp_path / "figure.png"
     result = run_script("plot.py", *data, "--out", out)
@@ -1383,7 +1465,7 @@ def test_plot_draws_the_figure_from_json_lines(tmp_path):
 
 
 def test_plot_draws_and_tables_a_ladder_from_a_cpu_without_a_bfloat16_unit(tmp_path):
-    pytest.importorskip("matplotlib", reason="plot.py needs matplotlib (pip install -r requirements.txt)")
+    pytest.importorskip("matplotlib", reason="plot.py needs matplotlib (pip install -r requirements-dev.txt)")
     data = write_plot_fixture(tmp_path)
     ladder = json.loads((tmp_path / "ladder.jsonl").read_text())
     ladder.update(bf16_peak_tflops=None, float32_peak_tflops=0.18)  # what benchmark.py writes on such a CPU
@@ -1599,6 +1681,51 @@ def test_opt5_two_processes_learn_print_once_and_end_with_identical_weights(tmp_
     assert_saved_weights_match_the_report(weights, report, opt5, transform=None)
 
 
+# Rank 0 still at work after its report (writing weights to a slow disk, say) while the other rank has nothing left to do
+SLOW_RANK_0 = """
+import sys, time
+sys.path.insert(0, {root!r})
+import harness, opt5
+real_report = harness.report
+
+
+def report(*args, **kwargs):
+    summary = real_report(*args, **kwargs)
+    time.sleep({seconds})
+    return summary
+
+
+harness.report = report
+sys.argv[0] = "opt5.py"
+opt5.main()
+"""
+
+
+def run_to_the_end(*args, timeout):
+    """Run `python args...` offline in a process group of its own; returns the CompletedProcess, or fails the test
+    naming the hang after killing the whole group: torchrun and every rank, so no stuck rank outlives the test."""
+    process = subprocess.Popen([sys.executable, *map(str, args)], cwd=ROOT, env={**os.environ, **NO_NETWORK},
+                               text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        output = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output = process.communicate()
+        pytest.fail(f"still running after {timeout} s, killed: {' '.join(map(str, args))}\n{output[0][-2000:]}")
+    return subprocess.CompletedProcess(process.args, process.returncode, *output)
+
+
+@pytest.mark.floor
+def test_opt5_ends_when_rank_0_finishes_after_the_other_ranks(tmp_path):
+    # Each rank used to destroy its process group as soon as it was done: rank 1 at once, rank 0 after its report.
+    # Rank 0 then hung in Gloo's destructor (torch 2.6) and torchrun waited for it for ever.
+    wrapper = tmp_path / "slow_rank_0.py"
+    wrapper.write_text(SLOW_RANK_0.format(root=str(ROOT), seconds=5))
+    result = run_to_the_end(*TORCHRUN, wrapper, *DDP_ARGS, "--train-size", 256, timeout=240)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("done:") == 1
+
+
 def test_opt5_without_torchrun_runs_as_one_process(tmp_path):
     json_path = tmp_path / "result.json"
     result = run_script("opt5.py", *DDP_ARGS, "--train-size", 256, "--json", json_path)
@@ -1639,16 +1766,93 @@ def test_opt5_a_local_rank_past_the_visible_gpus_exits_2_with_one_line():
                                   "(--nproc_per_node=1)")
 
 
+# In a fake torchrun rank on a machine of fake GPUs: every CUDA call recorded with the GPU it names (its current GPU
+# where it names none), a tensor asked for on a GPU made on the CPU, torch.compile a no-op; the process group's start
+# prints what was recorded and ends the process.
+RECORD_CUDA_CALLS = """
+import json, torch.distributed, torch.overrides
+calls, current = [], [0]
+def set_device(device):
+    current[0] = device if isinstance(device, int) else torch.device(device).index
+    calls.append(["set_device", current[0]])
+class RecordCudaCalls(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, function, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        device = torch.device(kwargs.get("device") or "cpu")
+        if device.type == "cuda":
+            calls.append([function.__name__, current[0] if device.index is None else device.index])
+            kwargs["device"] = "cpu"
+        return function(*args, **kwargs)
+def init_process_group(backend, device_id=None, **kwargs):
+    calls.append(["init_process_group", device_id.index])
+    print(json.dumps(calls), file=sys.stderr)
+    sys.exit(0)
+torch.cuda.set_device, torch.cuda.current_device = set_device, lambda: current[0]
+torch.compile = lambda function, **options: function
+torch.distributed.init_process_group = init_process_group
+RecordCudaCalls().__enter__()
+"""
+
+
+def test_opt5_each_rank_sets_its_own_gpu_before_any_cuda_work_the_trial_compile_included():
+    # torchrun's second process on a machine with 2 GPUs: everything it does on a GPU must be on GPU 1
+    env = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9"}
+    patches = VISIBLE_GPU.format(count=2, capability=90, name="NVIDIA H100 80GB HBM3") + RECORD_CUDA_CALLS
+    result = run_on_fake_machine(patches, "opt5.py", *NO_DATA, env=env)
+    assert result.returncode == 0, result.stderr
+    calls = json.loads(result.stderr.strip().splitlines()[-1])
+    assert calls == [["set_device", 1], ["ones", 1], ["init_process_group", 1]], calls
+
+
+def test_under_torchrun_only_rank_0_prints_a_verdict_and_a_fatal_one_ends_every_rank(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    for rank, prints in (("0", True), ("1", False)):
+        monkeypatch.setenv("RANK", rank)
+        assert harness.pick_device(SimpleNamespace(device="auto", compile=False)) == CPU
+        assert ("torch sees no CUDA GPU: running on the CPU" in capsys.readouterr().out) == prints, rank
+        with pytest.raises(SystemExit) as exit_:
+            harness.pick_device(SimpleNamespace(device="cuda", compile=False))
+        assert exit_.value.code == 2 and "--device cuda: torch sees no CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("version, flag, mode, says", [
+    ("2.7.1+cu126", None, "default", "compile mode default, not reduce-overhead: torch 2.7.1+cu126's DDP makes CUDA "
+                                     "graphs re-record at every step (fixed in torch 2.8)"),
+    ("2.7.1+cu126", "reduce-overhead", "reduce-overhead", "warning: --compile-mode reduce-overhead may be slower than "
+                                                          "default here"),
+    ("2.6.0a0+ecf3bae40a.nv25.01", "max-autotune", "max-autotune", "warning: --compile-mode max-autotune"),
+    ("2.7.1+cu126", "max-autotune-no-cudagraphs", "max-autotune-no-cudagraphs", None),
+    ("2.8.0+cu128", None, None, None),
+])
+def test_opt5_compiles_in_default_mode_under_ddp_on_a_torch_whose_ddp_makes_cuda_graphs_re_record(
+        version, flag, mode, says, monkeypatch, capsys):
+    monkeypatch.setattr(torch, "__version__", version)
+    monkeypatch.delenv("RANK", raising=False)
+    args = SimpleNamespace(compile=True, compile_mode=flag)
+    harness.check_ddp_cuda_graphs(args, torch.device("cuda", 0), world_size=2)
+    printed = capsys.readouterr().out
+    assert args.compile_mode == mode and (says in printed if says else printed == ""), printed
+    for device, world_size in ((torch.device("cuda", 0), 1), (CPU, 2)):  # one process, or Gloo on CPUs: no graphs
+        args = SimpleNamespace(compile=True, compile_mode=None)
+        harness.check_ddp_cuda_graphs(args, device, world_size)
+        assert args.compile_mode is None and capsys.readouterr().out == ""
+    # opt5 checks after it knows its world size and before it builds the model
+    source = inspect.getsource(opt5.main)
+    assert source.index("setup_distributed(") < source.index("check_ddp_cuda_graphs(args, device, world_size)") \
+        < source.index("train(args")
+
+
 def test_ddp_buffer_flag_is_named_as_this_torch_names_it(monkeypatch):
-    flag = common.no_buffer_broadcast()
+    flag = harness.no_buffer_broadcast()
     assert list(flag.values()) == [False]
     assert set(flag) <= set(inspect.signature(opt5.DistributedDataParallel).parameters)
 
     def ddp_before_2_13(module, device_ids=None, broadcast_buffers=True, gradient_as_bucket_view=False):
         pass
 
-    monkeypatch.setattr(common, "DistributedDataParallel", ddp_before_2_13)
-    assert common.no_buffer_broadcast() == {"broadcast_buffers": False}
+    monkeypatch.setattr(harness, "DistributedDataParallel", ddp_before_2_13)
+    assert harness.no_buffer_broadcast() == {"broadcast_buffers": False}
 
 
 def free_port():
@@ -1937,7 +2141,7 @@ def test_cuda_opt2_loader_pins_memory(monkeypatch):
 @cuda_test
 def test_cuda_opt3_compiled_step_replays_cuda_graphs_and_never_syncs_after_warm_up(monkeypatch):
     from torch._dynamo.utils import counters
-    common.compile_problem(CPU)  # main()'s trial compile, done once per process: not counted among the script's graphs
+    harness.compile_problem(CPU)  # main()'s trial compile, done once per process: not counted among the script's graphs
     torch._dynamo.reset()
     counters.clear()
     real_compile, real_train_one_epoch, modes, syncs = nn.Module.compile, opt3.train_one_epoch, [], []
