@@ -28,7 +28,7 @@ def parse_args():
     parser.add_argument("--accum-steps", type=harness.positive_int, default=1,
                         help="micro-batches per optimizer step; effective batch = batch size x this (default: 1)")
     parser.add_argument("--workers", type=harness.non_negative_int, default=None,
-                        help="data loading processes (default: 4 with a GPU, which they keep fed; 0 on the CPU, "
+                        help="data loading processes (default: up to 4 with a GPU, to keep it fed; 0 on the CPU, "
                              "where they would take cores from training)")
     parser.add_argument("--label-smoothing", type=harness.fraction, default=0.1,
                         help="weight of the uniform target mixed into each label (default: 0.1)")
@@ -115,7 +115,7 @@ def main():
 
     # opt2: normalized inputs condition the optimization; random crops and flips add data for free
     train_set, test_set = common.load_data(args, common.augmented_transform(), common.normalized_transform())
-    # opt2: worker processes decode and augment the next batches while the model trains (kept alive
+    # opt2: worker processes augment and batch the next images while the model trains (kept alive
     # between epochs); pinned memory lets the host queue the copy to the GPU without waiting (the CPU needs none)
     loader_options = dict(num_workers=args.workers, persistent_workers=args.workers > 0,
                           pin_memory=device.type == "cuda")

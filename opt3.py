@@ -98,7 +98,7 @@ def train_one_epoch(run, train_data, epoch, monitor):
     """One pass over `train_data`; returns mean loss, accuracy, optimizer steps and images trained on."""
     run.model.train()
     all_images, all_labels = train_data
-    # opt3: batches are index slices of the on-device dataset: no loader, no workers, no copies
+    # opt3: batches are gathered by index on the device: no loader, no workers, no host-to-device copy
     batches = epoch_batches(len(all_labels), run.args.batch_size, run.generator, run.device)
     # opt2: accumulating gradients of accum_steps micro-batches gives a big batch's step in less memory;
     # every step gets exactly accum_steps micro-batches, so a few left over at the end are skipped
@@ -180,7 +180,7 @@ def main():
     if args.compile:
         # opt1: fuses operations into fewer kernels: less memory traffic and Python overhead
         # opt3: on CUDA, reduce-overhead replays the model's forward and backward as CUDA graphs, a launch each
-        # instead of one per kernel (the loss, augmentation and AdamW still launch their kernels one by one)
+        # instead of one per kernel (the loss, augmentation and optimizer still launch their kernels one by one)
         model.compile(mode=args.compile_mode or ("reduce-overhead" if device.type == "cuda" else "default"))
     # opt3: accumulating under CUDA graphs needs gradients that stay put: one that backward creates lives in the
     # graphs' memory pool, which the next micro-batch's forward overwrites; so allocate them once and zero them

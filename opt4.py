@@ -1,5 +1,6 @@
 """opt4.py: opt3.py + less work for the same accuracy: progressive resizing (early epochs on
-smaller images) and a small test subset after each epoch, the whole test set only at the end.
+smaller images), Muon for the convolution filters (more accuracy per step), and a small test
+subset after each epoch, the whole test set only at the end.
 
     python opt4.py --epochs 5               # CIFAR-10 in ./data, downloaded if missing
     python opt4.py --synthetic --epochs 2   # no download: measures speed only
@@ -119,8 +120,8 @@ def epoch_batches(size, batch_size, generator, device):
 
 def orthogonalize(matrix, steps, dtype):
     """Roughly the semi-orthogonal matrix nearest `matrix` (U V^T of its SVD), by `steps` Newton-Schulz iterations in
-    `dtype`: matmuls only, no SVD. Keller Jordan's coefficients take every singular value near 1 (0.7-1.2) in 5 steps,
-    rather than to exactly 1 in many more, and that trains as well."""
+    `dtype`: matmuls only, no SVD. Keller Jordan's coefficients take all but tiny singular values to 0.7-1.2 in 5
+    steps, rather than to exactly 1 in many more, and that trains as well."""
     a, b, c = 3.4445, -4.7750, 2.0315
     x = matrix.to(dtype)
     tall = x.shape[0] > x.shape[1]
@@ -181,7 +182,7 @@ def train_one_epoch(run, train_data, epoch, monitor, size):
     """One pass over `train_data`; returns mean loss, accuracy, optimizer steps and images trained on."""
     run.model.train()
     all_images, all_labels = train_data
-    # opt3: batches are index slices of the on-device dataset: no loader, no workers, no copies
+    # opt3: batches are gathered by index on the device: no loader, no workers, no host-to-device copy
     batches = epoch_batches(len(all_labels), run.args.batch_size, run.generator, run.device)
     # opt2: accumulating gradients of accum_steps micro-batches gives a big batch's step in less memory;
     # every step gets exactly accum_steps micro-batches, so a few left over at the end are skipped
@@ -212,7 +213,8 @@ def train_one_epoch(run, train_data, epoch, monitor, size):
             monitor.step()
         losses[micro_step] = loss.detach()
         correct += (outputs.argmax(1) == labels).sum()
-    # opt3: the one wait for the device per epoch; a non-finite loss is found here, not at its step
+    # opt3: the one wait for the device per epoch (in float16 GradScaler adds one per Muon step, which it cannot
+    # skip on the device as fused AdamW does); a non-finite loss is found here, not at its step
     for micro_step, loss_value in enumerate(losses.tolist()):
         common.check_finite(loss_value, epoch, micro_step // accum_steps + 1)
     images_seen = len(losses) * run.args.batch_size
@@ -267,7 +269,7 @@ def main():
     if args.compile:
         # opt1: fuses operations into fewer kernels: less memory traffic and Python overhead
         # opt3: on CUDA, reduce-overhead replays the model's forward and backward as CUDA graphs, a launch each
-        # instead of one per kernel (the loss, augmentation and AdamW still launch their kernels one by one)
+        # instead of one per kernel (the loss, augmentation and optimizer still launch their kernels one by one)
         # opt4: dynamic=False compiles a graph for each image size; by default the second size would recompile
         # into one graph with symbolic sizes, whose kernels are less specialized
         model.compile(mode=args.compile_mode or ("reduce-overhead" if device.type == "cuda" else "default"),

@@ -188,8 +188,8 @@ def epoch_batches(size, batch_size, generator, device, rank, world_size):
 
 def orthogonalize(matrix, steps, dtype):
     """Roughly the semi-orthogonal matrix nearest `matrix` (U V^T of its SVD), by `steps` Newton-Schulz iterations in
-    `dtype`: matmuls only, no SVD. Keller Jordan's coefficients take every singular value near 1 (0.7-1.2) in 5 steps,
-    rather than to exactly 1 in many more, and that trains as well."""
+    `dtype`: matmuls only, no SVD. Keller Jordan's coefficients take all but tiny singular values to 0.7-1.2 in 5
+    steps, rather than to exactly 1 in many more, and that trains as well."""
     a, b, c = 3.4445, -4.7750, 2.0315
     x = matrix.to(dtype)
     tall = x.shape[0] > x.shape[1]
@@ -250,7 +250,7 @@ def train_one_epoch(run, train_data, epoch, monitor, size):
     """One pass over `train_data`; returns mean loss, accuracy, optimizer steps and images trained on."""
     run.model.train()
     all_images, all_labels = train_data
-    # opt3: batches are index slices of the on-device dataset: no loader, no workers, no copies
+    # opt3: batches are gathered by index on the device: no loader, no workers, no host-to-device copy
     batches = epoch_batches(len(all_labels), run.args.batch_size, run.generator, run.device, run.rank, run.world_size)
     # opt2: accumulating gradients of accum_steps micro-batches gives a big batch's step in less memory;
     # every step gets exactly accum_steps micro-batches, so a few left over at the end are skipped
@@ -283,7 +283,8 @@ def train_one_epoch(run, train_data, epoch, monitor, size):
             monitor.step()
         losses[micro_step] = loss.detach()
         correct += (outputs.argmax(1) == labels).sum()
-    # opt3: the one wait for the device per epoch; a non-finite loss is found here, not at its step
+    # opt3: the one wait for the device per epoch (in float16 GradScaler adds one per Muon step, which it cannot
+    # skip on the device as fused AdamW does); a non-finite loss is found here, not at its step
     for micro_step, loss_value in enumerate(losses.tolist()):
         common.check_finite(loss_value, epoch, micro_step // accum_steps + 1)
     totals = torch.stack([losses.sum(), correct.to(losses.dtype), torch.tensor(float(len(losses)), device=run.device)])
@@ -364,7 +365,7 @@ def train(args, rank, world_size, device):
     if args.compile:
         # opt1: fuses operations into fewer kernels: less memory traffic and Python overhead
         # opt3: on CUDA, reduce-overhead replays the model's forward and backward as CUDA graphs, a launch each
-        # instead of one per kernel (the loss, augmentation and AdamW still launch their kernels one by one)
+        # instead of one per kernel (the loss, augmentation and optimizer still launch their kernels one by one)
         # opt4: dynamic=False compiles a graph for each image size; by default the second size would recompile
         # into one graph with symbolic sizes, whose kernels are less specialized
         model.compile(mode=args.compile_mode or ("reduce-overhead" if device.type == "cuda" else "default"),
@@ -380,11 +381,12 @@ def train(args, rank, world_size, device):
     if world_size > 1:
         # opt5: DDP averages gradients over the ranks in buckets, each sent as soon as its gradients are ready, so
         # communication overlaps the rest of the backward pass. ResNet10 has 19.6 MB of them: after the first step
-        # DDP rebuilds its buckets in the order they became ready: layer 4's last conv alone (9.4 MB: the first
-        # bucket closes past 1 MiB), then the rest. Compiled, Dynamo's DDPOptimizer cuts the graph at the same mark
-        # (before that conv), so the first all-reduce runs during the backward of all the layers before it, most of
-        # the work; the second waits for the backward's end (read off torch 2.15, Gloo, 2 ranks). The kept gradients
-        # are views of the buckets (no copy); no BatchNorm broadcast before every forward (average_batchnorm_statistics)
+        # DDP rebuilds its buckets in the order they became ready: layer 4's last conv and what follows it (10.0 MB:
+        # the first bucket closes past 1 MiB), then the rest. Compiled, Dynamo's DDPOptimizer cuts the graph at the
+        # same mark (before that conv), so the first all-reduce runs during the backward of all the layers before it,
+        # most of the work; the second waits for the backward's end (read off torch 2.15, Gloo, 2 ranks). The kept
+        # gradients are views of the buckets (no copy); no BatchNorm broadcast before every forward
+        # (average_batchnorm_statistics)
         train_model = DistributedDataParallel(
             model, device_ids=[device] if device.type == "cuda" else None, gradient_as_bucket_view=True,
             **harness.no_buffer_broadcast())
@@ -441,7 +443,7 @@ def train(args, rank, world_size, device):
             epoch_start = common.now(device)
             train_figures = train_one_epoch(run, train_data, epoch, monitor, size)
             train_seconds = common.now(device) - epoch_start
-        average_batchnorm_statistics(model, world_size)  # opt5: every rank evaluates and saves the same model
+        average_batchnorm_statistics(model, world_size)  # opt5: every rank evaluates the model rank 0 saves
         evaluated = test_data if epoch == args.epochs else monitor_data
         test_figures = evaluate(run, evaluated, size)
         harness.record_epoch(records, train_figures, test_figures, train_seconds, image_size=size,

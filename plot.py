@@ -37,6 +37,9 @@ def parse_args():
     parser.add_argument("--seeds", default="results/seeds.jsonl",
                         help="real-data runs of opt3.py and opt4.py at their default --epochs with seeds other than "
                              "the curve's (default: results/seeds.jsonl)")
+    parser.add_argument("--muon", default="results/muon.jsonl",
+                        help="real-data runs of opt3.py and of opt4.py with each --optimizer at several --epochs, "
+                             "one CPU (default: results/muon.jsonl)")
     parser.add_argument("--ablation", default="results/ablation.jsonl",
                         help="ablation.py's rows, for --tables (default: results/ablation.jsonl)")
     parser.add_argument("--out", default="results/chain.png", help="the PNG to write (default: results/chain.png)")
@@ -89,7 +92,7 @@ def latest_ladder(lines):
     return summaries[-1]
 
 
-def markdown_tables(runs, ladder, convergence, curve, seeds, ablation):
+def markdown_tables(runs, ladder, convergence, curve, seeds, ablation, muon=()):
     """Accuracy per epoch of each script's run, each ladder rung's steady speed, the convergence runs, the
     curves with what they and the other seeds say, and the ablation."""
     epochs = max(len(run["epochs"]) for run in runs)
@@ -100,7 +103,7 @@ def markdown_tables(runs, ladder, convergence, curve, seeds, ablation):
         minutes = sum(record["train_seconds"] for record in run["epochs"]) / 60
         lines.append(f"| `{run['script']}` | " + " | ".join(accuracies) + f" | {minutes:.1f} "
                      f"| {run['steady_images_per_second']:.0f} |")
-    lines += ["", "| rung | images/s | ms/step | warm-up s | peak memory GiB | TFLOP/s | % of bf16 peak |",
+    lines += ["", "| ladder step | images/s | ms/step | warm-up s | peak memory GiB | TFLOP/s | % of bf16 peak |",
               "|---|---|---|---|---|---|---|"]
     for row in ladder["rows"]:
         lines.append(f"| {row['name']} | {row['images_per_second']:.0f} | {row['ms_per_step']:.1f} "
@@ -111,6 +114,8 @@ def markdown_tables(runs, ladder, convergence, curve, seeds, ablation):
     lines += ["", *timed_runs_table(curve, opt3_default_minutes(curve)), "", *curve_summary(curve),
               *seeds_summary(curve, seeds)]
     lines += ["", *ablation_table(ablation), "", extra_views_summary(ablation, curve)]
+    if muon:
+        lines += ["", *timed_runs_table(muon, opt3_default_minutes(muon)), "", *optimizer_summary(muon)]
     return "\n".join(lines)
 
 
@@ -165,9 +170,82 @@ def timed_runs_table(runs, reference_minutes):
 
 
 def curve_points(runs, script):
-    """(launch-to-result minutes, final test accuracy %, epochs) of each run of `script`, fastest first."""
+    """(launch-to-result minutes, final test accuracy %, epochs) of each run of `script` (or of a `variant`), fastest
+    first."""
     return sorted((run["launch_to_result_seconds"] / 60, 100 * run["final_test_accuracy"], len(run["epochs"]))
-                  for run in runs if run["script"] == script)
+                  for run in runs if script in (run["script"], variant(run)))
+
+
+def variant(run):
+    """The script, and for opt4 and opt5 the optimizer: "opt4.py muon" (runs from before --optimizer used AdamW)."""
+    if run["script"] in ("opt4.py", "opt5.py"):
+        return f"{run['script']} {run.get('settings', {}).get('optimizer', 'adamw')}"
+    return run["script"]
+
+
+def optimizer_summary(runs):
+    """What the optimizer runs say: Muon against AdamW at equal time, the share of opt3's default run time Muon needs
+    to reach its accuracy, and what a step costs at each image size, measured and in FLOPs."""
+    muon, adamw = curve_points(runs, "opt4.py muon"), curve_points(runs, "opt4.py adamw")
+    opt3 = next((point for point in curve_points(runs, "opt3.py") if point[2] == DEFAULT_EPOCHS), None)
+    lines = []
+    for minutes, accuracy, epochs in muon:
+        at_equal_time = interpolate(adamw, minutes)
+        versus = "AdamW's curve does not span that time" if at_equal_time is None else \
+            f"AdamW at the same time: {at_equal_time:.1f} % (interpolated): {accuracy - at_equal_time:+.1f} points"
+        lines.append(f"- Muon, `--epochs {epochs}`: {accuracy:.1f} % in {minutes:.1f} min; {versus}.")
+    if opt3 is not None:
+        reached = first_reach(muon, opt3[1])
+        goal = f"opt3's `--epochs {DEFAULT_EPOCHS}` accuracy ({opt3[1]:.1f} % in {opt3[0]:.1f} min)"
+        lines.append(f"- Muon does not reach {goal} within its runs." if reached is None else
+                     f"- Muon reaches {goal} at {reached:.1f} min (interpolated): {reached / opt3[0]:.0%} of "
+                     "opt3's time.")
+    return lines + step_costs(runs)
+
+
+def step_costs(runs):
+    """ms per training step at each image size with each optimizer, and the FLOPs of a step and of Muon's update.
+
+    The fastest epoch at that size over the optimizer's runs, leaving out each run's first epoch at a size (it
+    includes compiling) where another epoch at that size exists.
+    """
+    epochs = {"muon": {}, "adamw": {}}
+    for run in runs:
+        if run["script"] == "opt4.py":
+            seen = set()
+            for record in run["epochs"]:
+                size = record["image_size"]
+                epochs[variant(run).split()[1]].setdefault(size, []).append((size in seen, record["ms_per_step"]))
+                seen.add(size)
+    if not all(epochs.values()):
+        return []
+    costs = {optimizer: {size: min(ms for later, ms in records if later or not any(later for later, _ in records))
+                         for size, records in sizes.items()} for optimizer, sizes in epochs.items()}
+    sizes = sorted(costs["muon"].keys() & costs["adamw"].keys())
+    compiling = {size for size in sizes if not all(any(later for later, _ in epochs[name][size]) for name in epochs)}
+    batch = 128
+    training = {size: harness.training_flops_per_image() * batch * (size / 32) ** 2 / 1e9 for size in sizes}
+    measured = "; ".join(f"{size}x{size}: {costs['adamw'][size]:.0f} and {costs['muon'][size]:.0f} ms "
+                         f"(Muon's update {1 - costs['adamw'][size] / costs['muon'][size]:.0%} of its step"
+                         f"{'; an epoch that includes compiling' if size in compiling else ''})" for size in sizes)
+    flops = ", ".join(f"{training[size]:.0f} at {size}x{size}" for size in sizes)
+    return [f"- ms per step with AdamW and with Muon, batch {batch}: {measured}.",
+            f"- Muon's update: {muon_update_flops() / 1e9:.1f} GFLOP per step (its Newton-Schulz matmuls, counted by "
+            f"torch), against the training step's {flops} GFLOP (forward and backward, batch {batch})."]
+
+
+def muon_update_flops():
+    """FLOPs of one step of opt4's Muon on ResNet10, counted by torch's FlopCounterMode."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    import opt4
+    model = common.ResNet10()
+    for parameter in model.parameters():
+        parameter.grad = torch.ones_like(parameter)
+    optimizer = opt4.Muon(model.parameters(), lr=1e-3, weight_decay=0.0, dtype=torch.float32)
+    with FlopCounterMode(display=False) as counter:
+        optimizer.step()
+    return counter.get_total_flops()
 
 
 def opt3_default_minutes(runs):
@@ -248,51 +326,51 @@ def draw(runs, ladder, curve, out):
     matplotlib.use("Agg")  # files only, no window
     import matplotlib.pyplot as plt
 
-    figure, (accuracy_axis, speed_axis, time_axis) = plt.subplots(1, 3, figsize=(15, 4.2), dpi=100)
+    figure, (accuracy_axis, speed_axis, time_axis) = plt.subplots(1, 3, figsize=(15, 4.4), dpi=100)
     for run in runs:
         epochs = [record["epoch"] for record in run["epochs"]]
         accuracy = [100 * record["test_accuracy"] for record in run["epochs"]]
         accuracy_axis.plot(epochs, accuracy, marker="o", label=run["script"])
-    accuracy_axis.set(title="Test accuracy, real CIFAR-10", xlabel="epoch", ylabel="test accuracy %")
+    accuracy_axis.set_title(f"Test accuracy after each epoch\n{cpu_words(runs[0])}", fontsize=9)
+    accuracy_axis.set(xlabel="epoch", ylabel="test accuracy %")
     accuracy_axis.set_xticks(range(1, max(len(run["epochs"]) for run in runs) + 1))
-    for script in CONVERGENCE:
-        points = curve_points(curve, script)
+    for label in dict.fromkeys(variant(run) for run in curve):
+        points = curve_points(curve, label)
         time_axis.plot([minutes for minutes, _, _ in points], [accuracy for _, accuracy, _ in points], marker="o",
-                       label=script)
+                       label=label.replace(".py", ""))
         for minutes, accuracy, epochs in points:
             time_axis.annotate(f"{epochs}", (minutes, accuracy), textcoords="offset points", xytext=(4, -10),
                                fontsize=7)
-    time_axis.set_title(f"Final accuracy against launch-to-result time, {curve[0]['cpu']}\n"
-                        "(one run per --epochs, labelled; seed 0)", fontsize=9)
-    time_axis.set(xlabel="minutes from launch to result", ylabel="test accuracy %")
+    time_axis.set_title(f"Final test accuracy against minutes from launch (labels: --epochs)\n{cpu_words(curve[0])}",
+                        fontsize=9)
+    time_axis.set(xlabel="minutes from launch to final accuracy", ylabel="test accuracy %")
     for axis in (accuracy_axis, time_axis):
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
 
     rows = ladder["rows"]
-    names = [row["name"] for row in rows]
-    tflops = [row["tflops"] for row in rows]
-    speed_axis.bar(range(len(rows)), tflops, color="tab:blue")
-    if ladder["bf16_peak_tflops"] is not None:  # None: a CPU without a bfloat16 unit, where the scripts run float32
-        speed_axis.axhline(ladder["bf16_peak_tflops"], color="tab:red", linestyle="--",
-                           label=f"bf16 matmul peak {ladder['bf16_peak_tflops']:.2f} TFLOP/s")
-    if "float32_peak_tflops" in ladder:  # the reference for the float32 baseline
-        speed_axis.axhline(ladder["float32_peak_tflops"], color="tab:gray", linestyle=":",
-                           label=f"float32 matmul peak {ladder['float32_peak_tflops']:.2f} TFLOP/s")
-    for index, row in enumerate(rows):
-        speed_axis.text(index, row["tflops"], f"{row['images_per_second']:.0f}/s", ha="center", va="bottom",
-                        fontsize=7)
-    speed_axis.set_xticks(range(len(rows)), names, rotation=35, ha="right", fontsize=8)
-    speed_axis.set(title="Steady speed per ladder rung, batch 128 (labels: images/s)", ylabel="achieved TFLOP/s",
-                   ylim=(0, 1.15 * max(ladder["bf16_peak_tflops"] or 0, ladder.get("float32_peak_tflops", 0), *tflops)))
-    speed_axis.legend(fontsize=8, loc="upper left")
-    first = runs[0]
-    machine = f"{first['cpu']}, {first['threads']} threads" if first["device"] == "cpu" else first["device_name"]
-    figure.suptitle(f"fast-cifar: ResNet10, torch {first['torch']}; left and middle: {machine}", fontsize=10,
-                    y=0.995)
+    speeds = [row["images_per_second"] for row in rows]
+    speed_axis.bar(range(len(rows)), speeds, color="tab:blue")
+    for index, speed in enumerate(speeds):
+        speed_axis.text(index, speed, f"{speed:.0f}", ha="center", va="bottom", fontsize=7)
+    speed_axis.set_xticks(range(len(rows)), [row["name"] for row in rows], rotation=35, ha="right", fontsize=8)
+    speed_axis.set_title(f"Training images/s, each script with one more group of optimizations\n"
+                         f"{cpu_words({'cpu': ladder['machine'], 'threads': ladder['threads']})}, batch 128",
+                         fontsize=9)
+    speed_axis.set(ylabel="images/s", ylim=(0, 1.15 * max(speeds)))
+    figure.suptitle(f"fast-cifar: ResNet10 on CIFAR-10, measured on 2-core CPUs (no GPU measured), torch "
+                    f"{runs[0]['torch'].split('+')[0]}", fontsize=10, y=0.995)
     figure.tight_layout()
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out)
+
+
+def cpu_words(run):
+    """The CPU a run was measured on, as the reader should read it: "AMD EPYC with AVX-512 BF16, 2 threads (CPU)"."""
+    name, _, unit = run["cpu"].partition(" (")
+    unit = unit.rstrip(")")
+    return f"{name} with {unit}, {run['threads']} threads (CPU)" if unit != "no bf16 unit" else \
+        f"{name} without a bfloat16 unit, {run['threads']} threads (CPU)"
 
 
 def main():
@@ -303,13 +381,14 @@ def main():
     curve = convergence_runs(read_lines(args.curve))
     if args.tables:
         seeds = convergence_runs(read_lines(args.seeds))
-        print(markdown_tables(runs, ladder, convergence, curve, seeds, ablation_rows(read_lines(args.ablation))))
+        print(markdown_tables(runs, ladder, convergence, curve, seeds, ablation_rows(read_lines(args.ablation)),
+                              convergence_runs(read_lines(args.muon))))
         return
     try:
         import matplotlib  # noqa: F401  (imported here so a missing install is one clear line)
     except ImportError:
         common.fail("plot.py needs matplotlib: pip install matplotlib==3.11.2 (or pip install -r requirements-dev.txt)")
-    draw(runs, ladder, curve, args.out)
+    draw(runs, ladder, convergence_runs(read_lines(args.muon)), args.out)
     print(f"wrote {args.out}")
 
 

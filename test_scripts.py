@@ -881,7 +881,8 @@ def train_float16_epoch(script, model, optimizer, scaler, images=64):
 
 def shipped_optimizer(script, model):
     """The optimizer as `script` builds it: AdamW, from opt3 on fused, so GradScaler leaves unscaling and inf checks to
-    the kernel; opt4 and opt5 Muon for the filters, its Newton-Schulz matmuls in float16 as on a GPU without bfloat16."""
+    the kernel; opt4 and opt5 Muon for the filters, its Newton-Schulz matmuls in float16 as on a GPU without
+    bfloat16."""
     if hasattr(ALL_SCRIPTS[script], "Muon"):
         return ALL_SCRIPTS[script].Muon(model.parameters(), lr=1e-2, weight_decay=0.05, dtype=torch.float16)
     return torch.optim.AdamW(model.parameters(), lr=1e-2, fused=script in FUSED_ADAMW)
@@ -1090,9 +1091,11 @@ def test_opt4_trains_each_epoch_on_its_image_size_and_evaluates_all_test_images_
     evaluated, real_evaluate = [], opt4.evaluate
     monkeypatch.setattr(opt4, "evaluate", lambda run, test_data, size: evaluated.append(test_data) or
                         real_evaluate(run, test_data, size))
-    # 4 steps of 32 images per epoch; 256 test images in batches of 32, 64 of them after epochs 1 and 2
+    # 4 steps of 32 images per epoch; 256 test images in batches of 32, 64 of them after epochs 1 and 2. AdamW: in
+    # the warm-up of 12 steps its steps are larger than Muon's, which would leave the test loss where it was.
     monkeypatch.setattr(sys, "argv", ["opt4.py", *SMALL, "--no-compile", "--epochs", "3", "--train-size", "128",
-                                      "--batch-size", "32", "--monitor-size", "64", "--json", str(json_path),
+                                      "--batch-size", "32", "--monitor-size", "64", "--optimizer", "adamw",
+                                      "--json", str(json_path),
                                       "--save", str(weights)])
     opt4.main()
     seen = SizeRecordingResNet10.seen
@@ -1409,13 +1412,15 @@ def write_plot_fixture(folder):
     rows = [{"name": name, "images_per_second": speed, "tflops": speed * 1.5e9 / 1e12, "ms_per_step": 1000.0,
              "warmup_seconds": 0.5, "peak_memory_gib": 1.0, "percent_of_bf16_peak": speed * 1.5e9 / 1.2e12 * 100}
             for name, speed in [("baseline", 100.0), ("opt3", 300.0)]]
-    ladder = {"benchmark": "ladder", "bf16_peak_tflops": 1.2, "rows": rows}
+    ladder = {"benchmark": "ladder", "machine": "Test CPU (AMX)", "threads": 2, "bf16_peak_tflops": 1.2, "rows": rows}
 
-    def timed_run(script, flags, sizes, launch_minutes, accuracy, seed=0):
-        epochs = [{"epoch": epoch, "test_accuracy": accuracy, "launch_seconds": 60 * minutes, "image_size": size}
+    def timed_run(script, flags, sizes, launch_minutes, accuracy, seed=0, optimizer=None):
+        epochs = [{"epoch": epoch, "test_accuracy": accuracy, "launch_seconds": 60 * minutes, "image_size": size,
+                   "ms_per_step": size * (10 if optimizer == "muon" else 8)}
                   for epoch, (size, minutes) in enumerate(zip(sizes, launch_minutes), start=1)]
-        return {"script": script, "data": "cifar10", "cpu": "Test CPU (AMX)", "final_test_accuracy": accuracy,
-                "settings": {"seed": seed},
+        settings = {"seed": seed, **({"optimizer": optimizer} if optimizer else {})}
+        return {"script": script, "data": "cifar10", "cpu": "Test CPU (AMX)", "threads": 2,
+                "final_test_accuracy": accuracy, "settings": settings,
                 "command": f"python {script} {flags} --data-dir /tmp/cifar10 --json results/convergence.jsonl",
                 "launch_to_result_seconds": epochs[-1]["launch_seconds"], "epochs": epochs}
 
@@ -1431,6 +1436,14 @@ def write_plot_fixture(folder):
              timed_run("opt4.py", "--epochs 5 --seed 1", [16, 16, 24, 24, 32], [2, 4, 7, 10, 15.0], 0.83, seed=1),
              timed_run("opt3.py", "--epochs 4 --seed 1", [32] * 4, [5, 10, 15, 20.0], 0.8, seed=1)]
 
+    # opt3 at its default; opt4 with AdamW (one run from before --optimizer: AdamW) and with Muon
+    muon = [timed_run("opt3.py", "--epochs 5", [32] * 5, [5, 10, 15, 20, 25.0], 0.85),
+            timed_run("opt4.py", "--epochs 5", [16, 16, 24, 24, 32], [2, 4, 7, 10, 15.0], 0.82),
+            timed_run("opt4.py", "--epochs 6", [16, 16, 24, 24, 32, 32], [2, 4, 7, 10, 15, 20.0], 0.84,
+                      optimizer="adamw"),
+            timed_run("opt4.py", "--epochs 4", [16, 16, 24, 32], [2.5, 5, 9, 16.0], 0.845, optimizer="muon"),
+            timed_run("opt4.py", "--epochs 5", [16, 16, 24, 24, 32], [2.5, 5, 9, 13, 18.0], 0.865, optimizer="muon")]
+
     def ablation_row(row, change, views, monitor, synthetic=False):
         epochs = [{"test_accuracy": monitor, "test_images": 1000}, {"test_accuracy": views[1], "test_images": 10000}]
         return {"row": row, "change": change, "data": "synthetic" if synthetic else "cifar10", "epochs": epochs,
@@ -1441,11 +1454,11 @@ def write_plot_fixture(folder):
                 ablation_row("ema", "EMA of the weights", [0.8, 0.81, 0.82], 0.55),
                 ablation_row("ema", "EMA of the weights", [0.1, 0.1, 0.1], 0.1, synthetic=True)]
     for name, lines in (("runs", runs), ("ladder", [ladder]), ("convergence", convergence), ("curve", curve),
-                        ("seeds", seeds), ("ablation", ablation)):
+                        ("seeds", seeds), ("ablation", ablation), ("muon", muon)):
         (folder / f"{name}.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     return ["--runs", folder / "runs.jsonl", "--ladder", folder / "ladder.jsonl",
             "--convergence", folder / "convergence.jsonl", "--curve", folder / "curve.jsonl",
-            "--seeds", folder / "seeds.jsonl", "--ablation", folder / "ablation.jsonl"]
+            "--seeds", folder / "seeds.jsonl", "--ablation", folder / "ablation.jsonl", "--muon", folder / "muon.jsonl"]
 
 
 def plot_tables(folder):
@@ -1532,6 +1545,23 @@ def test_plot_curve_summary_says_what_the_curves_do_not_reach():
     assert plot.curve_summary(low_opt4) == ["Curve summary: not measured (it needs opt3 and opt4 at --epochs 5)."]
 
 
+def test_plot_reads_muon_against_adamw_at_equal_time_and_the_cost_of_its_step(tmp_path):
+    tables = plot_tables(tmp_path)
+    # Muon's 4 epochs end at 16 min, between AdamW's 5 (15 min, 82 %) and 6 (20 min, 84 %): 82.4 % there
+    assert "- Muon, `--epochs 4`: 84.5 % in 16.0 min; AdamW at the same time: 82.4 % (interpolated): +2.1 points." \
+        in tables
+    assert "- Muon, `--epochs 5`: 86.5 % in 18.0 min; AdamW at the same time: 83.2 % (interpolated): +3.3 points." \
+        in tables
+    # opt3's 85 % in 25 min: on Muon's curve between 16 min (84.5 %) and 18 min (86.5 %)
+    assert "- Muon reaches opt3's `--epochs 5` accuracy (85.0 % in 25.0 min) at 16.5 min (interpolated): 66% of " \
+           "opt3's time." in tables
+    # ms per step at each size from each optimizer's longest run; the update's FLOPs counted by torch
+    assert "16x16: 128 and 160 ms (Muon's update 20% of its step); 24x24: 192 and 240 ms" in tables
+    flops = re.search(r"Muon's update: ([\d.]+) GFLOP per step", tables)
+    assert flops and float(flops.group(1)) == pytest.approx(45.5, abs=0.1)  # Newton-Schulz on the 12 filters
+    assert "the training step's 49 at 16x16, 109 at 24x24, 194 at 32x32 GFLOP" in tables
+
+
 def test_plot_without_matplotlib_says_how_to_install_it(tmp_path):
     data = write_plot_fixture(tmp_path)
     hide_matplotlib = "import runpy, sys; sys.modules['matplotlib'] = None; sys.argv = sys.argv[1:]; " \
@@ -1551,61 +1581,91 @@ def test_plot_names_a_missing_data_file(tmp_path):
 README_RUNG = {"baseline.py": "baseline", "opt1.py": "opt1", "opt2.py": "opt2, 0 workers", "opt3.py": "opt3"}
 
 
-def test_readme_figures_are_the_measured_data():
-    def json_lines(name):
-        return [json.loads(line) for line in (ROOT / "results" / name).read_text().splitlines()]
+def json_lines(name):
+    return [json.loads(line) for line in (ROOT / "results" / name).read_text().splitlines() if line.strip()]
 
+
+def test_readme_figures_are_the_measured_data():
     def last_ladder(name):
         ladder = [line for line in json_lines(name) if line.get("benchmark") == "ladder"][-1]
         return ladder, {row["name"]: row["images_per_second"] for row in ladder["rows"]}
 
     # The last real-data run of each script counts, and the last ladder, as for plot.py.
     runs = {run["script"]: run for run in json_lines("chain-5-epochs.jsonl") if run["data"] == "cifar10"}
-    bf16_ladder, bf16_speeds = last_ladder("ladder.jsonl")
-    float32_ladder, float32_speeds = last_ladder("ladder-avx2.jsonl")
+    bf16_ladder, bf16 = last_ladder("ladder.jsonl")
+    float32_ladder, float32 = last_ladder("ladder-avx2.jsonl")
     readme = (ROOT / "README.md").read_text()
-    assert f"bf16 matmul peak {bf16_ladder['bf16_peak_tflops']:.2f} TFLOP/s" in readme
-    assert f"float32 {bf16_ladder['float32_peak_tflops']:.2f})" in readme
+    assert f"bfloat16 matmul peak {bf16_ladder['bf16_peak_tflops']:.2f} TFLOP/s, float32 " \
+           f"{bf16_ladder['float32_peak_tflops']:.2f}" in readme
     assert float32_ladder["bf16_peak_tflops"] is None and "no bf16 unit" in float32_ladder["machine"]
-    assert f"(float32 peak {float32_ladder['float32_peak_tflops']:.2f} TFLOP/s)" in readme
-    rows = {cells[0].strip("` "): [cell.strip() for cell in cells]  # the chain table's rows: 8 cells
+    assert f"float32 peak {float32_ladder['float32_peak_tflops']:.2f} TFLOP/s" in readme
+    rows = {cells[0].strip("` "): [cell.strip() for cell in cells]  # the chain table's rows: 7 cells
             for cells in (line.split("|")[1:-1] for line in readme.splitlines() if line.startswith("| `"))
-            if len(cells) == 8}
+            if len(cells) == 7}
     for script, rung in README_RUNG.items():
         bf16_speed, bf16_speedup, float32_speed, float32_speedup, accuracy = rows[script][-5:]
-        for speeds, speed, speedup in ((bf16_speeds, bf16_speed, bf16_speedup),
-                                       (float32_speeds, float32_speed, float32_speedup)):
+        for speeds, speed, speedup in ((bf16, bf16_speed, bf16_speedup), (float32, float32_speed, float32_speedup)):
             assert speed == f"{speeds[rung]:.0f}", script
             assert speedup == f"{speeds[rung] / speeds['baseline']:.2f}x", script
         assert accuracy == f"{100 * runs[script]['final_test_accuracy']:.1f}", script
+    # What each optimization bought, in "What to copy first": the ladder's steps and the runs
+    opt1, opt2 = (f"{100 * runs[script]['final_test_accuracy']:.1f}" for script in ("opt1.py", "opt2.py"))
+    for bought in (f"CPU with a bfloat16 unit: {bf16['opt1 eager'] / bf16['baseline']:.2f}x images/s",
+                   f"{bf16['opt1'] / bf16['opt1 eager']:.2f}x (CPU with bfloat16), "
+                   f"{float32['opt1'] / float32['opt1 eager']:.2f}x (CPU without)",
+                   f"{opt1} % -> {opt2} % after 5 epochs",
+                   f"({bf16['opt3'] / bf16['opt2, 0 workers']:.2f}x, "
+                   f"{float32['opt3'] / float32['opt2, 0 workers']:.2f}x)"):
+        assert bought in readme, bought
+    curve = plot.convergence_runs(json_lines("curve.jsonl"))
+    ahead = re.search(r"so opt4 is ([+-][\d.]+) points ahead", plot.curve_summary(curve)[0]).group(1)
+    assert f"{ahead} points at equal time (CPU runs, AdamW)" in readme
+    # opt4's accuracy is its default run's on the Muon curve's CPU; opt5's its two-process run's
+    muon = plot.convergence_runs(json_lines("muon.jsonl"))
+    default = [run for run in muon if plot.variant(run) == "opt4.py muon" and len(run["epochs"]) == 5][-1]
+    assert rows["opt4.py"][-1].startswith(f"{100 * default['final_test_accuracy']:.1f}")
+    data_parallel = json_lines("data-parallel.jsonl")[-1]
+    assert data_parallel["script"] == "opt5.py" and data_parallel["world_size"] == 2
+    assert rows["opt5.py"][-1] == f"{100 * data_parallel['final_test_accuracy']:.1f} (2 processes, AdamW)"
+    adamw = [run for run in muon if plot.variant(run) == "opt4.py adamw" and len(run["epochs"]) == 5][-1]
+    summary = "\n".join(plot.optimizer_summary(muon))
+    reached = re.search(r"at [\d.]+ min \(interpolated\): (\d+%) of opt3's time", summary)
+    muon_accuracy, adamw_accuracy = 100 * default["final_test_accuracy"], 100 * adamw["final_test_accuracy"]
+    assert f"+{muon_accuracy - adamw_accuracy:.1f} points after 5 epochs " \
+           f"({muon_accuracy:.1f} % against AdamW's {adamw_accuracy:.1f} %) " \
+           f"for {default['launch_to_result_seconds'] / adamw['launch_to_result_seconds']:.2f}x the time; opt3's " \
+           f"5-epoch accuracy in {reached.group(1)} of opt3's time" in readme
+    for line in plot.optimizer_summary(muon)[:-1]:  # Muon's summary, but its FLOPs line, is on the results page
+        assert line in (ROOT / "results/README.md").read_text(), line
+
+
+def test_results_page_tables_are_plots_from_the_data():
     results_page = (ROOT / "results/README.md").read_text()
+    runs = {run["script"]: run for run in json_lines("chain-5-epochs.jsonl") if run["data"] == "cifar10"}
     for script, run in runs.items():
         accuracies = " | ".join(f"{100 * epoch['test_accuracy']:.1f}" for epoch in run["epochs"])
         assert f"| `{script}` | {accuracies} |" in results_page, script
-    # The convergence table and the ablation's on the results page, and the curves' table, what they and the seeds
-    # say, and what extra test-time views buy, on both pages, are plot.py's from the timed runs.
+    # The convergence table and the ablation's, the curves' table, what they and the seeds say, and what extra
+    # test-time views buy, are plot.py's from the timed runs.
+    ladder = [line for line in json_lines("ladder.jsonl") if line.get("benchmark") == "ladder"][-1]
     convergence = plot.convergence_runs(json_lines("convergence.jsonl"))
     curve, seeds = plot.convergence_runs(json_lines("curve.jsonl")), plot.convergence_runs(json_lines("seeds.jsonl"))
     ablation_rows = plot.ablation_rows(json_lines("ablation.jsonl"))
-    tables = plot.markdown_tables(list(runs.values()), bf16_ladder, convergence, curve, seeds,
-                                  ablation_rows).split("\n\n")
+    tables = plot.markdown_tables(list(runs.values()), ladder, convergence, curve, seeds, ablation_rows).split("\n\n")
     assert {run["script"] for run in convergence} == {run["script"] for run in curve} == {"opt3.py", "opt4.py"}
     assert [row["row"] for row in ablation_rows] == ablation.ROW_NAMES, "every row of ablation.py, in its order"
     for line in "\n".join(tables[2:]).splitlines():
         assert line in results_page, line
-    for line in "\n".join(tables[3:5] + tables[6:]).splitlines():
-        assert line in readme, line
-    # opt5's accuracy is its two-process run's.
-    data_parallel = json_lines("data-parallel.jsonl")[-1]
-    assert data_parallel["script"] == "opt5.py" and data_parallel["world_size"] == 2
-    assert rows["opt5.py"][-1] == f"{100 * data_parallel['final_test_accuracy']:.1f} (2 ranks)"
+    muon = plot.convergence_runs(json_lines("muon.jsonl"))
+    for line in plot.timed_runs_table(muon, plot.opt3_default_minutes(muon)):
+        assert line in results_page, line
 
 
-def test_readme_setup_table_names_tests_that_exist_for_every_row():
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## On a GPU"):readme.index("## Flags")]
+def test_the_setup_table_names_tests_that_exist_for_every_row():
+    page = (ROOT / "docs/machines.md").read_text()
+    section = page[page.index("## The setups"):page.index("## On a GPU")]
     rows = [line.split("|")[1:-1] for line in section.splitlines() if line.startswith("| ")][1:]  # not the header
-    assert len(rows) == 9
+    assert len(rows) == 11
     tests = {name: test for name, test in globals().items() if name.startswith("test_")}
     for cells in rows:
         names = re.findall(r"`([^`]+)`", cells[-1])
@@ -1681,26 +1741,6 @@ def test_opt5_two_processes_learn_print_once_and_end_with_identical_weights(tmp_
     assert_saved_weights_match_the_report(weights, report, opt5, transform=None)
 
 
-# Rank 0 still at work after its report (writing weights to a slow disk, say) while the other rank has nothing left to do
-SLOW_RANK_0 = """
-import sys, time
-sys.path.insert(0, {root!r})
-import harness, opt5
-real_report = harness.report
-
-
-def report(*args, **kwargs):
-    summary = real_report(*args, **kwargs)
-    time.sleep({seconds})
-    return summary
-
-
-harness.report = report
-sys.argv[0] = "opt5.py"
-opt5.main()
-"""
-
-
 def run_to_the_end(*args, timeout):
     """Run `python args...` offline in a process group of its own; returns the CompletedProcess, or fails the test
     naming the hang after killing the whole group: torchrun and every rank, so no stuck rank outlives the test."""
@@ -1716,14 +1756,15 @@ def run_to_the_end(*args, timeout):
 
 
 @pytest.mark.floor
-def test_opt5_ends_when_rank_0_finishes_after_the_other_ranks(tmp_path):
+@pytest.mark.skipif(harness.torch_version() >= (2, 8), reason="the hang at exit was seen on torch 2.6 only")
+def test_opt5_ends_every_time(tmp_path):
     # Each rank used to destroy its process group as soon as it was done: rank 1 at once, rank 0 after its report.
-    # Rank 0 then hung in Gloo's destructor (torch 2.6) and torchrun waited for it for ever.
-    wrapper = tmp_path / "slow_rank_0.py"
-    wrapper.write_text(SLOW_RANK_0.format(root=str(ROOT), seconds=5))
-    result = run_to_the_end(*TORCHRUN, wrapper, *DDP_ARGS, "--train-size", 256, timeout=240)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.count("done:") == 1
+    # On torch 2.6, compiled, rank 0 then hung in Gloo's destructor in 2 of 6 runs, and torchrun waited for ever.
+    for run in range(5):
+        result = run_to_the_end(*TORCHRUN, "opt5.py", *SMALL, "--epochs", 2, "--train-size", 256, "--batch-size", 16,
+                                timeout=180)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.count("done:") == 1
 
 
 def test_opt5_without_torchrun_runs_as_one_process(tmp_path):
