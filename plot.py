@@ -186,20 +186,30 @@ def variant(run):
 def optimizer_summary(runs):
     """What the optimizer runs say: Muon against AdamW at equal time, the share of opt3's default run time Muon needs
     to reach its accuracy, and what a step costs at each image size, measured and in FLOPs."""
-    muon, adamw = curve_points(runs, "opt4.py muon"), curve_points(runs, "opt4.py adamw")
-    opt3 = next((point for point in curve_points(runs, "opt3.py") if point[2] == DEFAULT_EPOCHS), None)
+    curve = [run for run in runs if run["settings"]["seed"] == 0]  # other seeds: their own line below
+    muon, adamw = curve_points(curve, "opt4.py muon"), curve_points(curve, "opt4.py adamw")
+    opt3 = next((point for point in curve_points(curve, "opt3.py") if point[2] == DEFAULT_EPOCHS), None)
     lines = []
     for minutes, accuracy, epochs in muon:
         at_equal_time = interpolate(adamw, minutes)
         versus = "AdamW's curve does not span that time" if at_equal_time is None else \
             f"AdamW at the same time: {at_equal_time:.1f} % (interpolated): {accuracy - at_equal_time:+.1f} points"
-        lines.append(f"- Muon, `--epochs {epochs}`: {accuracy:.1f} % in {minutes:.1f} min; {versus}.")
+        lines.append(f"- Muon, `--epochs {epochs}`, seed 0: {accuracy:.1f} % in {minutes:.1f} min; {versus}.")
     if opt3 is not None:
         reached = first_reach(muon, opt3[1])
         goal = f"opt3's `--epochs {DEFAULT_EPOCHS}` accuracy ({opt3[1]:.1f} % in {opt3[0]:.1f} min)"
         lines.append(f"- Muon does not reach {goal} within its runs." if reached is None else
                      f"- Muon reaches {goal} at {reached:.1f} min (interpolated): {reached / opt3[0]:.0%} of "
                      "opt3's time.")
+    for label in ("opt4.py muon", "opt4.py adamw"):
+        accuracies = {run["settings"]["seed"]: 100 * run["final_test_accuracy"] for run in runs
+                      if variant(run) == label and len(run["epochs"]) == DEFAULT_EPOCHS}
+        if len(accuracies) > 1:
+            listed = ", ".join(f"{accuracies[seed]:.2f}" for seed in sorted(accuracies))
+            lines.append(f"- {label.split()[1].capitalize()} at `--epochs {DEFAULT_EPOCHS}`, seeds "
+                         f"{', '.join(map(str, sorted(accuracies)))}: {listed} % (mean "
+                         f"{statistics.mean(accuracies.values()):.2f}, spread "
+                         f"{max(accuracies.values()) - min(accuracies.values()):.2f} points).")
     return lines + step_costs(runs)
 
 
@@ -334,6 +344,7 @@ def draw(runs, ladder, curve, out):
     accuracy_axis.set_title(f"Test accuracy after each epoch\n{cpu_words(runs[0])}", fontsize=9)
     accuracy_axis.set(xlabel="epoch", ylabel="test accuracy %")
     accuracy_axis.set_xticks(range(1, max(len(run["epochs"]) for run in runs) + 1))
+    curve = [run for run in curve if run["settings"]["seed"] == 0]
     for label in dict.fromkeys(variant(run) for run in curve):
         points = curve_points(curve, label)
         time_axis.plot([minutes for minutes, _, _ in points], [accuracy for _, accuracy, _ in points], marker="o",
@@ -341,8 +352,8 @@ def draw(runs, ladder, curve, out):
         for minutes, accuracy, epochs in points:
             time_axis.annotate(f"{epochs}", (minutes, accuracy), textcoords="offset points", xytext=(4, -10),
                                fontsize=7)
-    time_axis.set_title(f"Final test accuracy against minutes from launch (labels: --epochs)\n{cpu_words(curve[0])}",
-                        fontsize=9)
+    time_axis.set_title(f"Final test accuracy against minutes from launch, seed 0\n"
+                        f"{cpu_words(curve[0])}; labels: --epochs", fontsize=9)
     time_axis.set(xlabel="minutes from launch to final accuracy", ylabel="test accuracy %")
     for axis in (accuracy_axis, time_axis):
         axis.grid(alpha=0.3)

@@ -1548,10 +1548,10 @@ def test_plot_curve_summary_says_what_the_curves_do_not_reach():
 def test_plot_reads_muon_against_adamw_at_equal_time_and_the_cost_of_its_step(tmp_path):
     tables = plot_tables(tmp_path)
     # Muon's 4 epochs end at 16 min, between AdamW's 5 (15 min, 82 %) and 6 (20 min, 84 %): 82.4 % there
-    assert "- Muon, `--epochs 4`: 84.5 % in 16.0 min; AdamW at the same time: 82.4 % (interpolated): +2.1 points." \
-        in tables
-    assert "- Muon, `--epochs 5`: 86.5 % in 18.0 min; AdamW at the same time: 83.2 % (interpolated): +3.3 points." \
-        in tables
+    assert "- Muon, `--epochs 4`, seed 0: 84.5 % in 16.0 min; AdamW at the same time: 82.4 % (interpolated): " \
+           "+2.1 points." in tables
+    assert "- Muon, `--epochs 5`, seed 0: 86.5 % in 18.0 min; AdamW at the same time: 83.2 % (interpolated): " \
+           "+3.3 points." in tables
     # opt3's 85 % in 25 min: on Muon's curve between 16 min (84.5 %) and 18 min (86.5 %)
     assert "- Muon reaches opt3's `--epochs 5` accuracy (85.0 % in 25.0 min) at 16.5 min (interpolated): 66% of " \
            "opt3's time." in tables
@@ -1622,14 +1622,18 @@ def test_readme_figures_are_the_measured_data():
     assert f"{ahead} points at equal time (CPU runs, AdamW)" in readme
     # opt4's accuracy is its default run's on the Muon curve's CPU; opt5's its two-process run's
     muon = plot.convergence_runs(json_lines("muon.jsonl"))
-    default = [run for run in muon if plot.variant(run) == "opt4.py muon" and len(run["epochs"]) == 5][-1]
+    default = [run for run in muon if plot.variant(run) == "opt4.py muon" and len(run["epochs"]) == 5
+               and run["settings"]["seed"] == 0][-1]
     assert rows["opt4.py"][-1].startswith(f"{100 * default['final_test_accuracy']:.1f}")
     data_parallel = json_lines("data-parallel.jsonl")[-1]
     assert data_parallel["script"] == "opt5.py" and data_parallel["world_size"] == 2
     assert rows["opt5.py"][-1] == f"{100 * data_parallel['final_test_accuracy']:.1f} (2 processes, AdamW)"
-    adamw = [run for run in muon if plot.variant(run) == "opt4.py adamw" and len(run["epochs"]) == 5][-1]
+    adamw = [run for run in muon if plot.variant(run) == "opt4.py adamw" and len(run["epochs"]) == 5
+             and run["settings"]["seed"] == 0][-1]
     summary = "\n".join(plot.optimizer_summary(muon))
     reached = re.search(r"at [\d.]+ min \(interpolated\): (\d+%) of opt3's time", summary)
+    at_equal_time = re.search(r"Muon, `--epochs 5`, seed 0: .* \(interpolated\): ([+-][\d.]+) points", summary).group(1)
+    assert f"{at_equal_time} points at equal time" in readme
     muon_accuracy, adamw_accuracy = 100 * default["final_test_accuracy"], 100 * adamw["final_test_accuracy"]
     assert f"+{muon_accuracy - adamw_accuracy:.1f} points after 5 epochs " \
            f"({muon_accuracy:.1f} % against AdamW's {adamw_accuracy:.1f} %) " \
