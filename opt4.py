@@ -42,6 +42,10 @@ def parse_args():
     parser.add_argument("--optimizer", choices=["muon", "adamw"], default="muon",
                         help="muon: Muon for the convolution filters and AdamW for the rest; adamw: AdamW for all, "
                              "as opt3 (default: muon)")
+    parser.add_argument("--ns-steps", type=harness.positive_int, default=3,
+                        help="Newton-Schulz iterations in each Muon update: 3, as airbench's CIFAR-10 record "
+                             "(airbench94_muon.py) runs; 5, torch.optim.Muon's default, is 5/3 the matmul work "
+                             "(default: 3)")
     args = parser.parse_args()
     return harness.check_args(args, images_per_step=args.batch_size * args.accum_steps)
 
@@ -120,8 +124,9 @@ def epoch_batches(size, batch_size, generator, device):
 
 def orthogonalize(matrix, steps, dtype):
     """Roughly the semi-orthogonal matrix nearest `matrix` (U V^T of its SVD), by `steps` Newton-Schulz iterations in
-    `dtype`: matmuls only, no SVD. Keller Jordan's coefficients take all but tiny singular values to 0.7-1.2 in 5
-    steps, rather than to exactly 1 in many more, and that trains as well."""
+    `dtype`: matmuls only, no SVD. Keller Jordan's coefficients take each singular value to 0.68-1.2, rather than to
+    exactly 1 in many more steps, and that trains as well; those under 1/56 of the matrix's Frobenius norm (3 steps),
+    or 1/660 (5 steps), stay below that: each step multiplies a small one by 3.4."""
     a, b, c = 3.4445, -4.7750, 2.0315
     x = matrix.to(dtype)
     tall = x.shape[0] > x.shape[1]
@@ -145,7 +150,7 @@ class Muon(torch.optim.Optimizer):
     rate and weight decay carry over. torch.optim.Muon (torch 2.9 and newer) takes 2-D weights only.
     """
 
-    def __init__(self, parameters, lr, weight_decay, dtype, steps=5):
+    def __init__(self, parameters, lr, weight_decay, dtype, steps):
         parameters = list(parameters)
         groups = [{"params": [parameter for parameter in parameters if parameter.ndim == 4], "muon": True},
                   {"params": [parameter for parameter in parameters if parameter.ndim != 4], "muon": False}]
@@ -285,7 +290,8 @@ def main():
     if args.optimizer == "muon":
         # opt4: Muon for the filters: more accuracy per epoch, for the cost of its update (see Muon);
         # Newton-Schulz in the 16-bit type the hardware runs natively, in float32 where it has none
-        optimizer = Muon(model.parameters(), lr=args.lr, weight_decay=0.05, dtype=amp_dtype)
+        optimizer = Muon(model.parameters(), lr=args.lr, weight_decay=0.05, dtype=amp_dtype,
+                         steps=args.ns_steps)
     else:
         # opt1: AdamW scales each weight's step by its recent gradients, so one rate suits every layer untuned
         # opt3: fused=True does AdamW's whole update in one pass over the weights (on a GPU, one kernel for many);

@@ -758,7 +758,7 @@ def test_each_scripts_optimizations_are_in_effect(script, bfloat16_unit, monkeyp
     class Muon(getattr(ALL_SCRIPTS[script], "Muon", torch.optim.Optimizer)):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            created.update(optimizer="Muon", newton_schulz_dtype=self.dtype)
+            created.update(optimizer="Muon", newton_schulz_dtype=self.dtype, newton_schulz_steps=self.steps)
 
     class CrossEntropyLoss(nn.CrossEntropyLoss):
         def __init__(self, *args, **kwargs):
@@ -784,6 +784,7 @@ def test_each_scripts_optimizations_are_in_effect(script, bfloat16_unit, monkeyp
     assert seen["logits_dtype"] == expected
     if created.get("optimizer") == "Muon":  # its Newton-Schulz matmuls too: emulated bfloat16 would be ~12x slower
         assert created["newton_schulz_dtype"] == expected
+        assert created["newton_schulz_steps"] == 3  # --ns-steps' default reaches the optimizer
     lines = capsys.readouterr().out.splitlines()
     if script != "baseline.py":  # the run says which precision it chose, and why, before it trains
         precision = next(index for index, line in enumerate(lines) if line.startswith("precision: "))
@@ -884,7 +885,8 @@ def shipped_optimizer(script, model):
     the kernel; opt4 and opt5 Muon for the filters, its Newton-Schulz matmuls in float16 as on a GPU without
     bfloat16."""
     if hasattr(ALL_SCRIPTS[script], "Muon"):
-        return ALL_SCRIPTS[script].Muon(model.parameters(), lr=1e-2, weight_decay=0.05, dtype=torch.float16)
+        return ALL_SCRIPTS[script].Muon(model.parameters(), lr=1e-2, weight_decay=0.05, dtype=torch.float16,
+                                        steps=3)
     return torch.optim.AdamW(model.parameters(), lr=1e-2, fused=script in FUSED_ADAMW)
 
 
@@ -1122,17 +1124,18 @@ def test_opt4_trains_each_epoch_on_its_image_size_and_evaluates_all_test_images_
 # ------------------------------------------------------------------- opt4: Muon for the convolution filters
 
 @pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon arrived in torch 2.9")
-def test_opt4_muon_steps_a_filter_as_torch_optim_muon_steps_its_matrix_and_the_rest_as_adamw():
+@pytest.mark.parametrize("ns_steps", [3, 5])  # opt4's default, torch's
+def test_opt4_muon_steps_a_filter_as_torch_optim_muon_steps_its_matrix_and_the_rest_as_adamw(ns_steps):
     torch.manual_seed(0)
     filter_, shift = torch.randn(16, 8, 3, 3), torch.randn(16)
     # A 3x3 filter, channels_last as in the scripts; torch's Muon takes its 16 x 72 matrix (2-D weights only).
     ours = [nn.Parameter(filter_.contiguous(memory_format=torch.channels_last)), nn.Parameter(shift.clone())]
     theirs = [nn.Parameter(filter_.flatten(1).clone()), nn.Parameter(shift.clone())]
-    muon = opt4.Muon(ours, lr=0.01, weight_decay=0.05, dtype=torch.bfloat16)
-    # The same coefficients and 5 steps (torch's defaults, in bfloat16), Nesterov momentum 0.9 (ours: betas[0]), and
+    muon = opt4.Muon(ours, lr=0.01, weight_decay=0.05, dtype=torch.bfloat16, steps=ns_steps)
+    # The same coefficients (torch's defaults, in bfloat16) and steps, Nesterov momentum 0.9 (ours: betas[0]), and
     # the update scaled to AdamW's size (Moonlight's 0.2 sqrt(max(rows, columns))); AdamW's settings for the rest
     references = [torch.optim.Muon(theirs[:1], lr=0.01, weight_decay=0.05, momentum=0.9, nesterov=True,
-                                   adjust_lr_fn="match_rms_adamw"),
+                                   ns_steps=ns_steps, adjust_lr_fn="match_rms_adamw"),
                   torch.optim.AdamW(theirs[1:], lr=0.01, weight_decay=0.05, betas=(0.9, 0.999), eps=1e-8)]
     for _ in range(3):
         gradients = torch.randn(16, 8, 3, 3), torch.randn(16)
@@ -1149,18 +1152,31 @@ def test_opt4_muon_steps_a_filter_as_torch_optim_muon_steps_its_matrix_and_the_r
 
 @pytest.mark.parametrize("shape", [(64, 27), (27, 64), (128, 1152)])  # the stem, its transpose, a layer-2 filter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_opt4_orthogonalize_takes_every_singular_value_near_1(shape, dtype):
+@pytest.mark.parametrize("steps", [3, 5])
+def test_opt4_orthogonalize_takes_every_singular_value_near_1(shape, dtype, steps):
     torch.manual_seed(0)
     matrix = torch.randn(shape) * torch.logspace(0, -1, shape[1])  # singular values spread over 10x
-    result = opt4.orthogonalize(matrix, steps=5, dtype=dtype)
+    result = opt4.orthogonalize(matrix, steps=steps, dtype=dtype)
     assert result.shape == shape and result.dtype == dtype
     singular_values = torch.linalg.svdvals(result.float())
     assert 0.6 < singular_values.min() and singular_values.max() < 1.25, singular_values.aminmax()
 
 
+@pytest.mark.parametrize("steps, reached", [(3, [False, False, True]), (5, [False, True, True])])
+def test_opt4_orthogonalize_leaves_the_singular_values_under_its_threshold_below_1(steps, reached):
+    # Singular values 1/1000, 1/100 and 1/10 of the Frobenius norm (a fourth makes the norm 1): 3 steps take those
+    # above 1/56 of it to 0.68 or more, 5 steps those above 1/660, as orthogonalize's docstring says
+    small = torch.tensor([1e-3, 1e-2, 1e-1], dtype=torch.float64)
+    singular_values = torch.cat([small, (1 - small.square().sum()).sqrt().view(1)])
+    basis, _ = torch.linalg.qr(torch.randn(64, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0)))
+    result = opt4.orthogonalize(basis * singular_values, steps=steps, dtype=torch.float64)
+    # Orthogonal columns stay orthogonal: each column's length is its singular value after the steps
+    assert [length > 0.68 for length in result.norm(dim=0)[:3].tolist()] == reached, result.norm(dim=0)
+
+
 def test_opt4_muon_is_one_optimizer_for_onecycle_and_zero_grad():
     model = small_net()
-    muon = opt4.Muon(model.parameters(), lr=0.01, weight_decay=0.05, dtype=torch.float32)
+    muon = opt4.Muon(model.parameters(), lr=0.01, weight_decay=0.05, dtype=torch.float32, steps=3)
     filters = [parameter for parameter in model.parameters() if parameter.ndim == 4]
     assert [group["muon"] for group in muon.param_groups] == [True, False]
     assert muon.param_groups[0]["params"] == filters and len(filters) == 1
