@@ -1,12 +1,13 @@
 """plot.py: draw the README's figure from the measured data in results/.
 
-    python plot.py            # results/{chain-5-epochs,ladder,convergence,curve}.jsonl -> results/chain.png
+    python plot.py            # results/{chain-5-epochs,ladder,muon,muon-xeon-amx}.jsonl -> results/chain.png
     python plot.py --tables   # the same data, and ablation.py's rows, as the markdown tables of results/README.md
 
 Three panels: test accuracy per epoch of each script on real CIFAR-10; steady images/s of each
-rung of the ladder (benchmark.py --ladder), with the machine's bf16 matmul peak for reference; and
-opt3's and opt4's final test accuracy against launch-to-result minutes, one point per --epochs, so
-that each script is a curve and the two compare at equal time. Needs matplotlib (the training scripts do not).
+rung of the ladder (benchmark.py --ladder); and the final test accuracy of opt3, and of opt4 with each
+optimizer, against launch-to-result time as a share of opt3 --epochs 5's on the same CPU (one file of
+--muon per CPU), one point per --epochs, the mean of its seeds, so that each is a curve and they compare at
+equal time. Needs matplotlib (the training scripts do not).
 """
 import argparse
 import json
@@ -20,6 +21,7 @@ import harness
 CHAIN = ["baseline.py", "opt1.py", "opt2.py", "opt3.py"]
 CONVERGENCE = ["opt3.py", "opt4.py"]  # the step opt4 takes, and the rung it is measured against
 DEFAULT_EPOCHS = 5  # opt3's and opt4's --epochs default: the runs the curve summary compares
+OPTIMIZER_NAMES = {"opt4.py muon": "Muon", "opt4.py adamw": "AdamW"}
 
 
 def parse_args():
@@ -37,9 +39,9 @@ def parse_args():
     parser.add_argument("--seeds", default="results/seeds.jsonl",
                         help="real-data runs of opt3.py and opt4.py at their default --epochs with seeds other than "
                              "the curve's (default: results/seeds.jsonl)")
-    parser.add_argument("--muon", default="results/muon.jsonl",
-                        help="real-data runs of opt3.py and of opt4.py with each --optimizer at several --epochs, "
-                             "one CPU (default: results/muon.jsonl)")
+    parser.add_argument("--muon", nargs="+", default=["results/muon.jsonl", "results/muon-xeon-amx.jsonl"],
+                        help="real-data runs of opt3.py and of opt4.py with each --optimizer, one file per CPU "
+                             "(default: results/muon.jsonl results/muon-xeon-amx.jsonl)")
     parser.add_argument("--ablation", default="results/ablation.jsonl",
                         help="ablation.py's rows, for --tables (default: results/ablation.jsonl)")
     parser.add_argument("--out", default="results/chain.png", help="the PNG to write (default: results/chain.png)")
@@ -114,8 +116,11 @@ def markdown_tables(runs, ladder, convergence, curve, seeds, ablation, muon=()):
     lines += ["", *timed_runs_table(curve, opt3_default_minutes(curve)), "", *curve_summary(curve),
               *seeds_summary(curve, seeds)]
     lines += ["", *ablation_table(ablation), "", extra_views_summary(ablation, curve)]
-    if muon:
-        lines += ["", *timed_runs_table(muon, opt3_default_minutes(muon)), "", *optimizer_summary(muon)]
+    for runs_on_one_cpu in muon:
+        steps = sorted({ns_steps(run) for run in runs_on_one_cpu if variant(run) == "opt4.py muon"})
+        lines += ["", f"{cpu_words(runs_on_one_cpu[0])}, Muon with {' and '.join(map(str, steps))} Newton-Schulz "
+                      "steps:", "", *timed_runs_table(runs_on_one_cpu, opt3_default_minutes(runs_on_one_cpu)), "",
+                  *optimizer_summary(runs_on_one_cpu)]
     return "\n".join(lines)
 
 
@@ -176,6 +181,11 @@ def curve_points(runs, script):
                   for run in runs if script in (run["script"], variant(run)))
 
 
+def ns_steps(run):
+    """The Newton-Schulz steps of a Muon run: --ns-steps, or 5 for runs from before that flag."""
+    return run["settings"].get("ns_steps", 5)
+
+
 def variant(run):
     """The script, and for opt4 and opt5 the optimizer: "opt4.py muon" (runs from before --optimizer used AdamW)."""
     if run["script"] in ("opt4.py", "opt5.py"):
@@ -198,19 +208,41 @@ def optimizer_summary(runs):
     if opt3 is not None:
         reached = first_reach(muon, opt3[1])
         goal = f"opt3's `--epochs {DEFAULT_EPOCHS}` accuracy ({opt3[1]:.1f} % in {opt3[0]:.1f} min)"
+        run = next((f"its `--epochs {epochs}` run" for minutes, _, epochs in muon if minutes == reached), "interpolated")
         lines.append(f"- Muon does not reach {goal} within its runs." if reached is None else
-                     f"- Muon reaches {goal} at {reached:.1f} min (interpolated): {reached / opt3[0]:.0%} of "
-                     "opt3's time.")
-    for label in ("opt4.py muon", "opt4.py adamw"):
-        accuracies = {run["settings"]["seed"]: 100 * run["final_test_accuracy"] for run in runs
-                      if variant(run) == label and len(run["epochs"]) == DEFAULT_EPOCHS}
-        if len(accuracies) > 1:
-            listed = ", ".join(f"{accuracies[seed]:.2f}" for seed in sorted(accuracies))
-            lines.append(f"- {label.split()[1].capitalize()} at `--epochs {DEFAULT_EPOCHS}`, seeds "
-                         f"{', '.join(map(str, sorted(accuracies)))}: {listed} % (mean "
-                         f"{statistics.mean(accuracies.values()):.2f}, spread "
-                         f"{max(accuracies.values()) - min(accuracies.values()):.2f} points).")
+                     f"- Muon reaches {goal} at {reached:.1f} min ({run}): {reached / opt3[0]:.0%} of opt3's time.")
+    groups = seed_groups(runs)
+    for (label, epochs), group in groups.items():
+        listed = ", ".join(f"{accuracy:.2f}" for accuracy in group["accuracies"])
+        lines.append(f"- {OPTIMIZER_NAMES[label]} at `--epochs {epochs}`, seeds "
+                     f"{', '.join(map(str, group['seeds']))}: {listed} % (mean {group['mean']:.2f}, spread "
+                     f"{group['spread']:.2f} points), {group['minutes']:.1f} min on average.")
+    for (label, epochs), group in groups.items():
+        rivals = [(key, rival) for key, rival in groups.items() if key[0] == "opt4.py adamw"]
+        if label == "opt4.py muon" and rivals:
+            (_, rival_epochs), rival = min(rivals, key=lambda item: abs(item[1]["minutes"] - group["minutes"]))
+            lines.append(f"- Muon at `--epochs {epochs}` against AdamW at `--epochs {rival_epochs}`, the nearest in "
+                         f"time, seed means: {group['mean'] - rival['mean']:+.2f} points in "
+                         f"{group['minutes'] / rival['minutes']:.0%} of AdamW's time.")
     return lines + step_costs(runs)
+
+
+def seed_groups(runs):
+    """{(variant, epochs): the seeds, their accuracies %, mean, spread and mean minutes} of each opt4 optimizer's runs
+    at an --epochs measured with more than one seed."""
+    groups = {}
+    for run in runs:
+        if variant(run) in ("opt4.py muon", "opt4.py adamw"):
+            groups.setdefault((variant(run), len(run["epochs"])), {})[run["settings"]["seed"]] = run
+    summaries = {}
+    for key, by_seed in sorted(groups.items(), key=lambda item: (item[0][0] != "opt4.py muon", item[0][1])):
+        if len(by_seed) > 1:
+            accuracies = [100 * by_seed[seed]["final_test_accuracy"] for seed in sorted(by_seed)]
+            summaries[key] = {"seeds": sorted(by_seed), "accuracies": accuracies, "mean": statistics.mean(accuracies),
+                              "spread": max(accuracies) - min(accuracies),
+                              "minutes": statistics.mean(run["launch_to_result_seconds"] / 60
+                                                         for run in by_seed.values())}
+    return summaries
 
 
 def step_costs(runs):
@@ -239,20 +271,23 @@ def step_costs(runs):
                          f"(Muon's update {1 - costs['adamw'][size] / costs['muon'][size]:.0%} of its step"
                          f"{'; an epoch that includes compiling' if size in compiling else ''})" for size in sizes)
     flops = ", ".join(f"{training[size]:.0f} at {size}x{size}" for size in sizes)
+    steps = ns_steps(next(run for run in runs if variant(run) == "opt4.py muon"))
     return [f"- ms per step with AdamW and with Muon, batch {batch}: {measured}.",
-            f"- Muon's update: {muon_update_flops() / 1e9:.1f} GFLOP per step (its Newton-Schulz matmuls, counted by "
-            f"torch), against the training step's {flops} GFLOP (forward and backward, batch {batch})."]
+            f"- Muon's update with {steps} Newton-Schulz steps: {muon_update_flops(steps) / 1e9:.1f} GFLOP per step "
+            f"(its matmuls, counted by torch), against the training step's {flops} GFLOP (forward and backward, "
+            f"batch {batch})."]
 
 
-def muon_update_flops():
-    """FLOPs of one step of opt4's Muon on ResNet10, counted by torch's FlopCounterMode."""
+def muon_update_flops(steps):
+    """FLOPs of one step of opt4's Muon on ResNet10 with `steps` Newton-Schulz steps, counted by torch's
+    FlopCounterMode."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
     import opt4
     model = common.ResNet10()
     for parameter in model.parameters():
         parameter.grad = torch.ones_like(parameter)
-    optimizer = opt4.Muon(model.parameters(), lr=1e-3, weight_decay=0.0, dtype=torch.float32)
+    optimizer = opt4.Muon(model.parameters(), lr=1e-3, weight_decay=0.0, dtype=torch.float32, steps=steps)
     with FlopCounterMode(display=False) as counter:
         optimizer.step()
     return counter.get_total_flops()
@@ -331,12 +366,12 @@ def seeds_summary(curve, seeds):
     return lines
 
 
-def draw(runs, ladder, curve, out):
+def draw(runs, ladder, muon, out):
     import matplotlib
     matplotlib.use("Agg")  # files only, no window
     import matplotlib.pyplot as plt
 
-    figure, (accuracy_axis, speed_axis, time_axis) = plt.subplots(1, 3, figsize=(15, 4.4), dpi=100)
+    figure, (accuracy_axis, speed_axis, time_axis) = plt.subplots(1, 3, figsize=(15, 5.2), dpi=100)
     for run in runs:
         epochs = [record["epoch"] for record in run["epochs"]]
         accuracy = [100 * record["test_accuracy"] for record in run["epochs"]]
@@ -344,20 +379,35 @@ def draw(runs, ladder, curve, out):
     accuracy_axis.set_title(f"Test accuracy after each epoch\n{cpu_words(runs[0])}", fontsize=9)
     accuracy_axis.set(xlabel="epoch", ylabel="test accuracy %")
     accuracy_axis.set_xticks(range(1, max(len(run["epochs"]) for run in runs) + 1))
-    curve = [run for run in curve if run["settings"]["seed"] == 0]
-    for label in dict.fromkeys(variant(run) for run in curve):
-        points = curve_points(curve, label)
-        time_axis.plot([minutes for minutes, _, _ in points], [accuracy for _, accuracy, _ in points], marker="o",
-                       label=label.replace(".py", ""))
-        for minutes, accuracy, epochs in points:
-            time_axis.annotate(f"{epochs}", (minutes, accuracy), textcoords="offset points", xytext=(4, -10),
-                               fontsize=7)
-    time_axis.set_title(f"Final test accuracy against minutes from launch, seed 0\n"
-                        f"{cpu_words(curve[0])}; labels: --epochs", fontsize=9)
-    time_axis.set(xlabel="minutes from launch to final accuracy", ylabel="test accuracy %")
+    colors = {"opt3.py": "tab:gray", "opt4.py adamw": "tab:orange", "opt4.py muon": "tab:green"}
+    for runs_on_one_cpu, line_style in zip(muon, ["--", "-", ":"]):
+        opt3_minutes = opt3_default_minutes(runs_on_one_cpu)
+        steps = {ns_steps(run) for run in runs_on_one_cpu if variant(run) == "opt4.py muon"}
+        for label in colors:
+            points = {}  # --epochs: [(share of opt3's time, accuracy %)] of each seed
+            for run in runs_on_one_cpu:
+                if variant(run) == label:
+                    points.setdefault(len(run["epochs"]), []).append(
+                        (run["launch_to_result_seconds"] / 60 / opt3_minutes, 100 * run["final_test_accuracy"]))
+            if not points:
+                continue
+            every_run = [point for seeds in points.values() for point in seeds]
+            time_axis.scatter(*zip(*every_run), s=10, color=colors[label], alpha=0.4)
+            means = [(epochs, *map(statistics.mean, zip(*points[epochs]))) for epochs in sorted(points)]
+            name = label.replace(".py", "") + (f", {min(steps)} NS steps" if label == "opt4.py muon" else "")
+            time_axis.plot([share for _, share, _ in means], [accuracy for _, _, accuracy in means], line_style,
+                           marker="o", color=colors[label],
+                           label=f"{name}: {cpu_words(runs_on_one_cpu[0], short=True)}")
+            for epochs, share, accuracy in means:
+                time_axis.annotate(f"{epochs}", (share, accuracy), textcoords="offset points", xytext=(4, -10),
+                                   fontsize=7)
+    time_axis.set_title("Final test accuracy against time from launch, on CPUs\nlines: mean over seeds, dots: each "
+                        "run, labels: --epochs", fontsize=9)
+    time_axis.set(xlabel="launch to result, as a share of opt3 --epochs 5's (same CPU)", ylabel="test accuracy %")
     for axis in (accuracy_axis, time_axis):
         axis.grid(alpha=0.3)
-        axis.legend(fontsize=8)
+    accuracy_axis.legend(fontsize=8)
+    time_axis.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
 
     rows = ladder["rows"]
     speeds = [row["images_per_second"] for row in rows]
@@ -376,10 +426,13 @@ def draw(runs, ladder, curve, out):
     figure.savefig(out)
 
 
-def cpu_words(run):
-    """The CPU a run was measured on, as the reader should read it: "AMD EPYC with AVX-512 BF16, 2 threads (CPU)"."""
+def cpu_words(run, short=False):
+    """The CPU a run was measured on, as the reader should read it: "AMD EPYC with AVX-512 BF16, 2 threads (CPU)",
+    or short: "AMD EPYC, AVX-512 BF16"."""
     name, _, unit = run["cpu"].partition(" (")
     unit = unit.rstrip(")")
+    if short:
+        return f"{name}, {unit}"
     return f"{name} with {unit}, {run['threads']} threads (CPU)" if unit != "no bf16 unit" else \
         f"{name} without a bfloat16 unit, {run['threads']} threads (CPU)"
 
@@ -393,13 +446,13 @@ def main():
     if args.tables:
         seeds = convergence_runs(read_lines(args.seeds))
         print(markdown_tables(runs, ladder, convergence, curve, seeds, ablation_rows(read_lines(args.ablation)),
-                              convergence_runs(read_lines(args.muon))))
+                              [convergence_runs(read_lines(path)) for path in args.muon]))
         return
     try:
         import matplotlib  # noqa: F401  (imported here so a missing install is one clear line)
     except ImportError:
         common.fail("plot.py needs matplotlib: pip install matplotlib==3.11.2 (or pip install -r requirements-dev.txt)")
-    draw(runs, ladder, convergence_runs(read_lines(args.muon)), args.out)
+    draw(runs, ladder, [convergence_runs(read_lines(path)) for path in args.muon], args.out)
     print(f"wrote {args.out}")
 
 

@@ -1430,12 +1430,13 @@ def write_plot_fixture(folder):
             for name, speed in [("baseline", 100.0), ("opt3", 300.0)]]
     ladder = {"benchmark": "ladder", "machine": "Test CPU (AMX)", "threads": 2, "bf16_peak_tflops": 1.2, "rows": rows}
 
-    def timed_run(script, flags, sizes, launch_minutes, accuracy, seed=0, optimizer=None):
+    def timed_run(script, flags, sizes, launch_minutes, accuracy, seed=0, optimizer=None, cpu="Test CPU (AMX)",
+                  **settings):
         epochs = [{"epoch": epoch, "test_accuracy": accuracy, "launch_seconds": 60 * minutes, "image_size": size,
                    "ms_per_step": size * (10 if optimizer == "muon" else 8)}
                   for epoch, (size, minutes) in enumerate(zip(sizes, launch_minutes), start=1)]
-        settings = {"seed": seed, **({"optimizer": optimizer} if optimizer else {})}
-        return {"script": script, "data": "cifar10", "cpu": "Test CPU (AMX)", "threads": 2,
+        settings = {"seed": seed, **({"optimizer": optimizer} if optimizer else {}), **settings}
+        return {"script": script, "data": "cifar10", "cpu": cpu, "threads": 2,
                 "final_test_accuracy": accuracy, "settings": settings,
                 "command": f"python {script} {flags} --data-dir /tmp/cifar10 --json results/convergence.jsonl",
                 "launch_to_result_seconds": epochs[-1]["launch_seconds"], "epochs": epochs}
@@ -1452,13 +1453,24 @@ def write_plot_fixture(folder):
              timed_run("opt4.py", "--epochs 5 --seed 1", [16, 16, 24, 24, 32], [2, 4, 7, 10, 15.0], 0.83, seed=1),
              timed_run("opt3.py", "--epochs 4 --seed 1", [32] * 4, [5, 10, 15, 20.0], 0.8, seed=1)]
 
-    # opt3 at its default; opt4 with AdamW (one run from before --optimizer: AdamW) and with Muon
+    # One CPU: opt3 at its default; opt4 with AdamW (one run from before --optimizer: AdamW) and with Muon (from
+    # before --ns-steps: 5 steps)
     muon = [timed_run("opt3.py", "--epochs 5", [32] * 5, [5, 10, 15, 20, 25.0], 0.85),
             timed_run("opt4.py", "--epochs 5", [16, 16, 24, 24, 32], [2, 4, 7, 10, 15.0], 0.82),
             timed_run("opt4.py", "--epochs 6", [16, 16, 24, 24, 32, 32], [2, 4, 7, 10, 15, 20.0], 0.84,
                       optimizer="adamw"),
             timed_run("opt4.py", "--epochs 4", [16, 16, 24, 32], [2.5, 5, 9, 16.0], 0.845, optimizer="muon"),
             timed_run("opt4.py", "--epochs 5", [16, 16, 24, 24, 32], [2.5, 5, 9, 13, 18.0], 0.865, optimizer="muon")]
+    # Another: Muon with 3 steps at --epochs 4 and AdamW at 5, three seeds each
+    other = {"cpu": "Other CPU (AVX-512 BF16)"}
+    muon_other_cpu = [timed_run("opt3.py", "--epochs 5", [32] * 5, [4, 8, 12, 16, 20.0], 0.85, **other)]
+    for seed, (muon_minutes, muon_accuracy, adamw_minutes, adamw_accuracy) in enumerate(
+            [(12.0, 0.853, 12.6, 0.835), (12.5, 0.856, 12.9, 0.838), (13.0, 0.850, 13.2, 0.832)]):
+        muon_other_cpu += [
+            timed_run("opt4.py", f"--epochs 4 --seed {seed}", [16, 16, 24, 32], [2, 4, 8, muon_minutes],
+                      muon_accuracy, seed=seed, optimizer="muon", ns_steps=3, **other),
+            timed_run("opt4.py", f"--epochs 5 --seed {seed} --optimizer adamw", [16, 16, 24, 24, 32],
+                      [2, 4, 7, 10, adamw_minutes], adamw_accuracy, seed=seed, optimizer="adamw", **other)]
 
     def ablation_row(row, change, views, monitor, synthetic=False):
         epochs = [{"test_accuracy": monitor, "test_images": 1000}, {"test_accuracy": views[1], "test_images": 10000}]
@@ -1470,11 +1482,12 @@ def write_plot_fixture(folder):
                 ablation_row("ema", "EMA of the weights", [0.8, 0.81, 0.82], 0.55),
                 ablation_row("ema", "EMA of the weights", [0.1, 0.1, 0.1], 0.1, synthetic=True)]
     for name, lines in (("runs", runs), ("ladder", [ladder]), ("convergence", convergence), ("curve", curve),
-                        ("seeds", seeds), ("ablation", ablation), ("muon", muon)):
+                        ("seeds", seeds), ("ablation", ablation), ("muon", muon), ("muon-other-cpu", muon_other_cpu)):
         (folder / f"{name}.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     return ["--runs", folder / "runs.jsonl", "--ladder", folder / "ladder.jsonl",
             "--convergence", folder / "convergence.jsonl", "--curve", folder / "curve.jsonl",
-            "--seeds", folder / "seeds.jsonl", "--ablation", folder / "ablation.jsonl", "--muon", folder / "muon.jsonl"]
+            "--seeds", folder / "seeds.jsonl", "--ablation", folder / "ablation.jsonl",
+            "--muon", folder / "muon.jsonl", folder / "muon-other-cpu.jsonl"]
 
 
 def plot_tables(folder):
@@ -1573,9 +1586,29 @@ def test_plot_reads_muon_against_adamw_at_equal_time_and_the_cost_of_its_step(tm
            "opt3's time." in tables
     # ms per step at each size from each optimizer's longest run; the update's FLOPs counted by torch
     assert "16x16: 128 and 160 ms (Muon's update 20% of its step); 24x24: 192 and 240 ms" in tables
-    flops = re.search(r"Muon's update: ([\d.]+) GFLOP per step", tables)
-    assert flops and float(flops.group(1)) == pytest.approx(45.5, abs=0.1)  # Newton-Schulz on the 12 filters
+    flops = re.findall(r"Muon's update with (\d) Newton-Schulz steps: ([\d.]+) GFLOP per step", tables)
+    # Newton-Schulz on the 12 filters; each step's work is the same, the normalization's is small
+    assert [steps for steps, _ in flops] == ["5", "3"] and float(flops[0][1]) == pytest.approx(45.5, abs=0.1)
+    assert float(flops[1][1]) == pytest.approx(45.5 * 3 / 5, rel=0.01)
     assert "the training step's 49 at 16x16, 109 at 24x24, 194 at 32x32 GFLOP" in tables
+
+
+def test_plot_tables_each_cpus_muon_runs_with_the_seeds_means_at_equal_time(tmp_path):
+    tables = plot_tables(tmp_path)
+    first, second = tables.index("Test CPU with AMX, 2 threads (CPU), Muon with 5 Newton-Schulz steps:"), \
+        tables.index("Other CPU with AVX-512 BF16, 2 threads (CPU), Muon with 3 Newton-Schulz steps:")
+    assert first < second
+    other_cpu = tables[second:]
+    assert "| `opt4.py` | `--epochs 4 --seed 2` | 16, 16, 24, 32 | 85.0 | 13.0 | 65% |" in other_cpu  # of its opt3's
+    assert "- Muon at `--epochs 4`, seeds 0, 1, 2: 85.30, 85.60, 85.00 % (mean 85.30, spread 0.60 points), " \
+           "12.5 min on average." in other_cpu
+    assert "- AdamW at `--epochs 5`, seeds 0, 1, 2: 83.50, 83.80, 83.20 % (mean 83.50, spread 0.60 points), " \
+           "12.9 min on average." in other_cpu
+    assert "- Muon at `--epochs 4` against AdamW at `--epochs 5`, the nearest in time, seed means: +1.80 points in " \
+           "97% of AdamW's time." in other_cpu
+    # Muon's seed-0 run is past opt3's accuracy in 60 % of its time: a run, not a point between two
+    assert "- Muon reaches opt3's `--epochs 5` accuracy (85.0 % in 20.0 min) at 12.0 min (its `--epochs 4` run): 60% " \
+           "of opt3's time." in other_cpu
 
 
 def test_plot_without_matplotlib_says_how_to_install_it(tmp_path):
@@ -1636,27 +1669,26 @@ def test_readme_figures_are_the_measured_data():
     curve = plot.convergence_runs(json_lines("curve.jsonl"))
     ahead = re.search(r"so opt4 is ([+-][\d.]+) points ahead", plot.curve_summary(curve)[0]).group(1)
     assert f"{ahead} points at equal time (CPU runs, AdamW)" in readme
-    # opt4's accuracy is its default run's on the Muon curve's CPU; opt5's its two-process run's
-    muon = plot.convergence_runs(json_lines("muon.jsonl"))
+    # opt4's accuracy is its default run's (3 Newton-Schulz steps) on the newest Muon runs' CPU; opt5's its
+    # two-process run's
+    muon = plot.convergence_runs(json_lines("muon-xeon-amx.jsonl"))
     default = [run for run in muon if plot.variant(run) == "opt4.py muon" and len(run["epochs"]) == 5
                and run["settings"]["seed"] == 0][-1]
+    assert plot.ns_steps(default) == 3
     assert rows["opt4.py"][-1].startswith(f"{100 * default['final_test_accuracy']:.1f}")
     data_parallel = json_lines("data-parallel.jsonl")[-1]
     assert data_parallel["script"] == "opt5.py" and data_parallel["world_size"] == 2
     assert rows["opt5.py"][-1] == f"{100 * data_parallel['final_test_accuracy']:.1f} (2 processes, AdamW)"
-    adamw = [run for run in muon if plot.variant(run) == "opt4.py adamw" and len(run["epochs"]) == 5
-             and run["settings"]["seed"] == 0][-1]
     summary = "\n".join(plot.optimizer_summary(muon))
-    reached = re.search(r"at [\d.]+ min \(interpolated\): (\d+%) of opt3's time", summary)
-    at_equal_time = re.search(r"Muon, `--epochs 5`, seed 0: .* \(interpolated\): ([+-][\d.]+) points", summary).group(1)
-    assert f"{at_equal_time} points at equal time" in readme
-    muon_accuracy, adamw_accuracy = 100 * default["final_test_accuracy"], 100 * adamw["final_test_accuracy"]
-    assert f"+{muon_accuracy - adamw_accuracy:.1f} points after 5 epochs " \
-           f"({muon_accuracy:.1f} % against AdamW's {adamw_accuracy:.1f} %) " \
-           f"for {default['launch_to_result_seconds'] / adamw['launch_to_result_seconds']:.2f}x the time; opt3's " \
-           f"5-epoch accuracy in {reached.group(1)} of opt3's time" in readme
-    for line in plot.optimizer_summary(muon)[:-1]:  # Muon's summary, but its FLOPs line, is on the results page
-        assert line in (ROOT / "results/README.md").read_text(), line
+    at_equal_time = re.search(r"Muon at `--epochs (\d)` against AdamW at `--epochs (\d)`, the nearest in time, seed "
+                              r"means: ([+-][\d.]+) points in (\d+%) of AdamW's time", summary)
+    reached = re.search(r"at [\d.]+ min \(its `--epochs (\d)` run\): (\d+%) of opt3's time", summary)
+    assert f"{float(at_equal_time[3]):+.1f} points at equal time (means of 3 seeds: Muon for {at_equal_time[1]} " \
+           f"epochs, AdamW for {at_equal_time[2]}, Muon in {at_equal_time[4]} of AdamW's time); opt3's 5-epoch " \
+           f"accuracy in {reached[2]} of opt3's time ({reached[1]} epochs, seed 0)" in readme
+    for name in ("muon.jsonl", "muon-xeon-amx.jsonl"):  # what each CPU's runs say is on the results page
+        for line in plot.optimizer_summary(plot.convergence_runs(json_lines(name))):
+            assert line in (ROOT / "results/README.md").read_text(), line
 
 
 def test_results_page_tables_are_plots_from_the_data():
@@ -1676,9 +1708,10 @@ def test_results_page_tables_are_plots_from_the_data():
     assert [row["row"] for row in ablation_rows] == ablation.ROW_NAMES, "every row of ablation.py, in its order"
     for line in "\n".join(tables[2:]).splitlines():
         assert line in results_page, line
-    muon = plot.convergence_runs(json_lines("muon.jsonl"))
-    for line in plot.timed_runs_table(muon, plot.opt3_default_minutes(muon)):
-        assert line in results_page, line
+    for name in ("muon.jsonl", "muon-xeon-amx.jsonl"):
+        muon = plot.convergence_runs(json_lines(name))
+        for line in plot.timed_runs_table(muon, plot.opt3_default_minutes(muon)):
+            assert line in results_page, line
 
 
 def test_the_setup_table_names_tests_that_exist_for_every_row():
