@@ -43,9 +43,8 @@ def parse_args():
                         help="muon: Muon for the convolution filters and AdamW for the rest; adamw: AdamW for all, "
                              "as opt3 (default: muon)")
     parser.add_argument("--ns-steps", type=harness.positive_int, default=3,
-                        help="Newton-Schulz iterations in each Muon update: 3, as airbench's CIFAR-10 record "
-                             "(airbench94_muon.py) runs; 5, torch.optim.Muon's default, is 5/3 the matmul work "
-                             "(default: 3)")
+                        help="Newton-Schulz iterations in each Muon update: 3, as airbench94_muon.py (a CIFAR-10 "
+                             "speed record) runs; 5, torch.optim.Muon's default, is 5/3 the matmul work (default: 3)")
     args = parser.parse_args()
     return harness.check_args(args, images_per_step=args.batch_size * args.accum_steps)
 
@@ -124,9 +123,9 @@ def epoch_batches(size, batch_size, generator, device):
 
 def orthogonalize(matrix, steps, dtype):
     """Roughly the semi-orthogonal matrix nearest `matrix` (U V^T of its SVD), by `steps` Newton-Schulz iterations in
-    `dtype`: matmuls only, no SVD. Keller Jordan's coefficients take each singular value to 0.68-1.2, rather than to
-    exactly 1 in many more steps, and that trains as well; those under 1/56 of the matrix's Frobenius norm (3 steps),
-    or 1/660 (5 steps), stay below that: each step multiplies a small one by 3.4."""
+    `dtype`: matmuls only, no SVD. Keller Jordan's coefficients take each singular value above a threshold to 0.68-1.2
+    (rather than to exactly 1 in many more steps, and that trains as well); each step multiplies a small one by about
+    3.4, so the threshold is 1/56 of the matrix's Frobenius norm after 3 steps, 1/660 after 5."""
     a, b, c = 3.4445, -4.7750, 2.0315
     x = matrix.to(dtype)
     tall = x.shape[0] > x.shape[1]
