@@ -125,7 +125,7 @@ def orthogonalize(matrix, steps, dtype):
     """Roughly the semi-orthogonal matrix nearest `matrix` (U V^T of its SVD), by `steps` Newton-Schulz iterations in
     `dtype`: matmuls only, no SVD. Keller Jordan's coefficients take each singular value above a threshold to 0.68-1.2
     (rather than to exactly 1 in many more steps, and that trains as well); each step multiplies a small one by about
-    3.4, so the threshold is 1/56 of the matrix's Frobenius norm after 3 steps, 1/660 after 5."""
+    3.4, less as it grows, so the threshold is 1/56 of the matrix's Frobenius norm after 3 steps, 1/660 after 5."""
     a, b, c = 3.4445, -4.7750, 2.0315
     x = matrix.to(dtype)
     tall = x.shape[0] > x.shape[1]

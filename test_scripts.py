@@ -1682,10 +1682,12 @@ def test_readme_figures_are_the_measured_data():
     summary = "\n".join(plot.optimizer_summary(muon))
     at_equal_time = re.search(r"Muon at `--epochs (\d)` against AdamW at `--epochs (\d)`, the nearest in time, seed "
                               r"means: ([+-][\d.]+) points in (\d+%) of AdamW's time", summary)
-    reached = re.search(r"at [\d.]+ min \(its `--epochs (\d)` run\): (\d+%) of opt3's time", summary)
+    reached = re.search(r"accuracy \(([\d.]+) % in [\d.]+ min\) at [\d.]+ min \(its `--epochs (\d)` run\): (\d+%) of "
+                        r"opt3's time", summary)
     assert f"{float(at_equal_time[3]):+.1f} points at equal time (means of 3 seeds: Muon for {at_equal_time[1]} " \
            f"epochs, AdamW for {at_equal_time[2]}, Muon in {at_equal_time[4]} of AdamW's time); opt3's 5-epoch " \
-           f"accuracy in {reached[2]} of opt3's time ({reached[1]} epochs, seed 0)" in readme
+           f"accuracy on the same CPU ({reached[1]} %) in {reached[3]} of opt3's time ({reached[2]} epochs, seed 0)" \
+           in readme
     for name in ("muon.jsonl", "muon-xeon-amx.jsonl"):  # what each CPU's runs say is on the results page
         for line in plot.optimizer_summary(plot.convergence_runs(json_lines(name))):
             assert line in (ROOT / "results/README.md").read_text(), line
