@@ -1490,9 +1490,10 @@ def write_plot_fixture(folder):
             "--muon", folder / "muon.jsonl", folder / "muon-other-cpu.jsonl"]
 
 
-def plot_tables(folder):
-    """What `plot.py --tables` prints for the fixture's data, written to `folder`."""
-    result = run_script("plot.py", "--tables", *write_plot_fixture(folder))
+@pytest.fixture(scope="module")
+def tables(tmp_path_factory):
+    """What `plot.py --tables` prints for the fixture's data (run once: each run counts Muon's FLOPs)."""
+    result = run_script("plot.py", "--tables", *write_plot_fixture(tmp_path_factory.mktemp("plot")))
     assert result.returncode == 0, result.stderr
     return result.stdout
 
@@ -1519,8 +1520,7 @@ def test_plot_draws_and_tables_a_ladder_from_a_cpu_without_a_bfloat16_unit(tmp_p
     assert run_script("plot.py", *data, "--out", tmp_path / "figure.png").returncode == 0
 
 
-def test_plot_tables_print_the_latest_real_data_run_of_each_script(tmp_path):
-    tables = plot_tables(tmp_path)
+def test_plot_tables_print_the_latest_real_data_run_of_each_script(tables):
     assert "| `baseline.py` | 40.0 | 50.0 | 2.0 | 100 |" in tables
     assert "| `opt3.py` | 60.0 | 80.0 | 2.0 | 100 |" in tables  # the synthetic run is not the data
     assert "| opt3 | 300 | 1000.0 | 0.5 | 1.00 | 0.450 | 38 |" in tables
@@ -1529,8 +1529,7 @@ def test_plot_tables_print_the_latest_real_data_run_of_each_script(tmp_path):
     assert "| `opt4.py` | `--epochs 2 --seed 1` | 16, 32 | 82.5 | 10.5 | 50% |" in tables
 
 
-def test_plot_reads_opt4_against_opt3_at_equal_time_off_the_curves(tmp_path):
-    tables = plot_tables(tmp_path)
+def test_plot_reads_opt4_against_opt3_at_equal_time_off_the_curves(tables):
     # Each curve run against opt3 --epochs 5 (25 minutes)
     assert "| `opt4.py` | `--epochs 6` | 16, 16, 16, 24, 24, 32 | 86.0 | 18.0 | 72% |" in tables
     # opt3 at opt4's 15 minutes: 75 + (85 - 75) x (15 - 10) / (25 - 10) = 78.3 %
@@ -1541,8 +1540,7 @@ def test_plot_reads_opt4_against_opt3_at_equal_time_off_the_curves(tmp_path):
            "opt3's time." in tables
 
 
-def test_plot_gives_each_scripts_seeds_their_mean_and_spread_and_reads_opt3s_mean_off_opt4s_curve(tmp_path):
-    tables = plot_tables(tmp_path)
+def test_plot_gives_each_scripts_seeds_their_mean_and_spread_and_reads_opt3s_mean_off_opt4s_curve(tables):
     # Only runs at --epochs 5 count: opt3 85 (seed 0) and 84 (seed 1), opt4 82 and 83
     assert "- At `--epochs 5`: opt3 85.00, 84.00 % (seeds 0, 1: mean 84.50, spread 1.00 points); opt4 82.00, " \
            "83.00 % (seeds 0, 1: mean 82.50, spread 1.00 points)." in tables
@@ -1551,8 +1549,7 @@ def test_plot_gives_each_scripts_seeds_their_mean_and_spread_and_reads_opt3s_mea
            "time." in tables
 
 
-def test_plot_tables_the_ablation_against_the_shipped_row_and_extra_views_against_training(tmp_path):
-    tables = plot_tables(tmp_path)
+def test_plot_tables_the_ablation_against_the_shipped_row_and_extra_views_against_training(tables):
     assert "| shipped | opt4 as shipped | 82.00 | +0.00 | 81.00 | 83.00 | 15.0 | 60 | 60.0 (1000) |" in tables
     assert "| ema | EMA of the weights | 81.00 | -1.00 | 80.00 | 82.00 | 15.0 | 60 | 55.0 (1000) |" in tables
     # 60 s more training from opt4 --epochs 5 (82 % at 15 min) on its curve to --epochs 6 (86 % at 18 min): +1.3
@@ -1574,8 +1571,7 @@ def test_plot_curve_summary_says_what_the_curves_do_not_reach():
     assert plot.curve_summary(low_opt4) == ["Curve summary: not measured (it needs opt3 and opt4 at --epochs 5)."]
 
 
-def test_plot_reads_muon_against_adamw_at_equal_time_and_the_cost_of_its_step(tmp_path):
-    tables = plot_tables(tmp_path)
+def test_plot_reads_muon_against_adamw_at_equal_time_and_the_cost_of_its_step(tables):
     # Muon's 4 epochs end at 16 min, between AdamW's 5 (15 min, 82 %) and 6 (20 min, 84 %): 82.4 % there
     assert "- Muon, `--epochs 4`, seed 0: 84.5 % in 16.0 min; AdamW at the same time: 82.4 % (interpolated): " \
            "+2.1 points." in tables
@@ -1593,8 +1589,7 @@ def test_plot_reads_muon_against_adamw_at_equal_time_and_the_cost_of_its_step(tm
     assert "the training step's 49 at 16x16, 109 at 24x24, 194 at 32x32 GFLOP" in tables
 
 
-def test_plot_tables_each_cpus_muon_runs_with_the_seeds_means_at_equal_time(tmp_path):
-    tables = plot_tables(tmp_path)
+def test_plot_tables_each_cpus_muon_runs_with_the_seeds_means_at_equal_time(tables):
     first, second = tables.index("Test CPU with AMX, 2 threads (CPU), Muon with 5 Newton-Schulz steps:"), \
         tables.index("Other CPU with AVX-512 BF16, 2 threads (CPU), Muon with 3 Newton-Schulz steps:")
     assert first < second
