@@ -117,8 +117,7 @@ def markdown_tables(runs, ladder, convergence, curve, seeds, ablation, muon=()):
               *seeds_summary(curve, seeds)]
     lines += ["", *ablation_table(ablation), "", extra_views_summary(ablation, curve)]
     for runs_on_one_cpu in muon:
-        steps = sorted({ns_steps(run) for run in runs_on_one_cpu if variant(run) == "opt4.py muon"})
-        lines += ["", f"{cpu_words(runs_on_one_cpu[0])}, Muon with {' and '.join(map(str, steps))} Newton-Schulz "
+        lines += ["", f"{cpu_words(runs_on_one_cpu[0])}, Muon with {muon_steps(runs_on_one_cpu)} Newton-Schulz "
                       "steps:", "", *timed_runs_table(runs_on_one_cpu, opt3_default_minutes(runs_on_one_cpu)), "",
                   *optimizer_summary(runs_on_one_cpu)]
     return "\n".join(lines)
@@ -186,6 +185,11 @@ def ns_steps(run):
     return run["settings"].get("ns_steps", 5)
 
 
+def muon_steps(runs):
+    """The Newton-Schulz steps of the Muon runs among `runs`, in words: "3", or "3 and 5"."""
+    return " and ".join(map(str, sorted({ns_steps(run) for run in runs if variant(run) == "opt4.py muon"})))
+
+
 def variant(run):
     """The script, and for opt4 and opt5 the optimizer: "opt4.py muon" (runs from before --optimizer used AdamW)."""
     if run["script"] in ("opt4.py", "opt5.py"):
@@ -208,7 +212,8 @@ def optimizer_summary(runs):
     if opt3 is not None:
         reached = first_reach(muon, opt3[1])
         goal = f"opt3's `--epochs {DEFAULT_EPOCHS}` accuracy ({opt3[1]:.1f} % in {opt3[0]:.1f} min)"
-        run = next((f"its `--epochs {epochs}` run" for minutes, _, epochs in muon if minutes == reached), "interpolated")
+        run = next((f"its `--epochs {epochs}` run" for minutes, _, epochs in muon if minutes == reached),
+                   "interpolated")
         lines.append(f"- Muon does not reach {goal} within its runs." if reached is None else
                      f"- Muon reaches {goal} at {reached:.1f} min ({run}): {reached / opt3[0]:.0%} of opt3's time.")
     groups = seed_groups(runs)
@@ -382,7 +387,6 @@ def draw(runs, ladder, muon, out):
     colors = {"opt3.py": "tab:gray", "opt4.py adamw": "tab:orange", "opt4.py muon": "tab:green"}
     for runs_on_one_cpu, line_style in zip(muon, ["--", "-", ":"]):
         opt3_minutes = opt3_default_minutes(runs_on_one_cpu)
-        steps = {ns_steps(run) for run in runs_on_one_cpu if variant(run) == "opt4.py muon"}
         for label in colors:
             points = {}  # --epochs: [(share of opt3's time, accuracy %)] of each seed
             for run in runs_on_one_cpu:
@@ -394,7 +398,8 @@ def draw(runs, ladder, muon, out):
             every_run = [point for seeds in points.values() for point in seeds]
             time_axis.scatter(*zip(*every_run), s=10, color=colors[label], alpha=0.4)
             means = [(epochs, *map(statistics.mean, zip(*points[epochs]))) for epochs in sorted(points)]
-            name = label.replace(".py", "") + (f", {min(steps)} NS steps" if label == "opt4.py muon" else "")
+            name = label.replace(".py", "") + (f", {muon_steps(runs_on_one_cpu)} NS steps" if label == "opt4.py muon"
+                                                else "")
             time_axis.plot([share for _, share, _ in means], [accuracy for _, _, accuracy in means], line_style,
                            marker="o", color=colors[label],
                            label=f"{name}: {cpu_words(runs_on_one_cpu[0], short=True)}")

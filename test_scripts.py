@@ -205,6 +205,13 @@ def test_opt2_flags_are_checked_too(args, says):
     assert result.returncode == 2 and says in result.stderr
 
 
+@pytest.mark.parametrize("script", ["opt4.py", "opt5.py"])
+def test_ns_steps_must_be_a_positive_integer(script):
+    result = run_script(script, "--ns-steps", "0")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert "--ns-steps: must be a positive integer" in result.stderr, result.stderr
+
+
 def test_missing_data_message_says_where_and_what_to_do(tmp_path):
     result = run_script("opt2.py", "--data-dir", tmp_path / "nowhere", "--device", "cpu")
     assert result.returncode == 2
