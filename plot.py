@@ -222,8 +222,8 @@ def optimizer_summary(runs):
         lines.append(f"- {OPTIMIZER_NAMES[label]} at `--epochs {epochs}`, seeds "
                      f"{', '.join(map(str, group['seeds']))}: {listed} % (mean {group['mean']:.2f}, spread "
                      f"{group['spread']:.2f} points), {group['minutes']:.1f} min on average.")
+    rivals = [(key, rival) for key, rival in groups.items() if key[0] == "opt4.py adamw"]
     for (label, epochs), group in groups.items():
-        rivals = [(key, rival) for key, rival in groups.items() if key[0] == "opt4.py adamw"]
         if label == "opt4.py muon" and rivals:
             (_, rival_epochs), rival = min(rivals, key=lambda item: abs(item[1]["minutes"] - group["minutes"]))
             lines.append(f"- Muon at `--epochs {epochs}` against AdamW at `--epochs {rival_epochs}`, the nearest in "
@@ -448,16 +448,16 @@ def main():
     ladder = latest_ladder(read_lines(args.ladder))
     convergence = convergence_runs(read_lines(args.convergence))
     curve = convergence_runs(read_lines(args.curve))
+    muon = [convergence_runs(read_lines(path)) for path in args.muon]  # one list of runs per CPU
     if args.tables:
         seeds = convergence_runs(read_lines(args.seeds))
-        print(markdown_tables(runs, ladder, convergence, curve, seeds, ablation_rows(read_lines(args.ablation)),
-                              [convergence_runs(read_lines(path)) for path in args.muon]))
+        print(markdown_tables(runs, ladder, convergence, curve, seeds, ablation_rows(read_lines(args.ablation)), muon))
         return
     try:
         import matplotlib  # noqa: F401  (imported here so a missing install is one clear line)
     except ImportError:
         common.fail("plot.py needs matplotlib: pip install matplotlib==3.11.2 (or pip install -r requirements-dev.txt)")
-    draw(runs, ladder, [convergence_runs(read_lines(path)) for path in args.muon], args.out)
+    draw(runs, ladder, muon, args.out)
     print(f"wrote {args.out}")
 
 
