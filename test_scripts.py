@@ -1800,16 +1800,48 @@ def test_opt5_two_processes_learn_print_once_and_end_with_identical_weights(tmp_
 
 def run_to_the_end(*args, timeout):
     """Run `python args...` offline in a process group of its own; returns the CompletedProcess, or fails the test
-    naming the hang after killing the whole group: torchrun and every rank, so no stuck rank outlives the test."""
+    naming the hang after killing torchrun and every rank, so no stuck rank outlives the test (or holds its output
+    open, which would keep the test waiting for ever)."""
     process = subprocess.Popen([sys.executable, *map(str, args)], cwd=ROOT, env={**os.environ, **NO_NETWORK},
                                text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         output = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        # torchrun starts each rank in a session of its own (torch 2.6): kill each rank's group, then torchrun's
+        for pid in [*child_pids(process.pid), process.pid]:
+            with contextlib.suppress(ProcessLookupError):  # a rank that ended meanwhile
+                os.killpg(os.getpgid(pid), signal.SIGKILL)
         output = process.communicate()
         pytest.fail(f"still running after {timeout} s, killed: {' '.join(map(str, args))}\n{output[0][-2000:]}")
     return subprocess.CompletedProcess(process.args, process.returncode, *output)
+
+
+def child_pids(pid):
+    """The pids of `pid`'s living children, read from /proc (Linux)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):  # a process that ended meanwhile
+            if int(stat.read_text().rpartition(")")[2].split()[1]) == pid:  # the field after the name: state, ppid
+                children.append(int(stat.parent.name))
+    return children
+
+
+@pytest.mark.floor
+def test_a_rank_that_hangs_fails_its_test_in_time_and_is_killed(tmp_path):
+    # torch 2.6's torchrun starts each rank in a session of its own: killing torchrun's group alone left the rank
+    # alive, holding the output open, and the test waited for it for ever
+    hang = tmp_path / "hang.py"
+    hang.write_text("import time\ntime.sleep(600)\n")
+    start = time.monotonic()
+    with pytest.raises(pytest.fail.Exception, match="still running after 5 s"):
+        run_to_the_end(*TORCHRUN, hang, timeout=5)
+    assert time.monotonic() - start < 60
+    ranks_left = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):  # a process that ended meanwhile
+            if str(hang).encode() in cmdline.read_bytes():
+                ranks_left.append(cmdline.parent.name)
+    assert ranks_left == []
 
 
 @pytest.mark.floor
@@ -1817,6 +1849,9 @@ def run_to_the_end(*args, timeout):
 def test_opt5_ends_every_time(tmp_path):
     # Each rank used to destroy its process group as soon as it was done: rank 1 at once, rank 0 after its report.
     # On torch 2.6, compiled, rank 0 then hung in Gloo's destructor in 2 of 6 runs, and torchrun waited for ever.
+    # The barrier before it narrows that, not closes it: once since, in CI, a rank's main thread, holding the GIL,
+    # freed the process group and joined a Gloo worker thread that was waiting for the GIL to free a tensor of an
+    # earlier all-reduce (gdb's stacks). Not fixed yet: this test fails when it happens.
     for run in range(5):
         result = run_to_the_end(*TORCHRUN, "opt5.py", *SMALL, "--epochs", 2, "--train-size", 256, "--batch-size", 16,
                                 timeout=180)
