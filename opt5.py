@@ -337,9 +337,12 @@ def main():
     harness.check_ddp_cuda_graphs(args, device, world_size)
     train(args, rank, world_size, device)
     if world_size > 1:
-        # opt5: the ranks leave together: one that destroys its process group while another is still at work can leave
-        # that one hanging in Gloo's destructor (torch 2.6), and torchrun would wait for it for ever
-        dist.barrier()
+        # opt5: the ranks leave together, and this thread keeps the barrier's handle until the process group is gone:
+        # on torch 2.6 (Gloo), whichever thread lets go of it last frees the collectives still in flight when it began,
+        # their tensors included; on Gloo's worker thread that waits for the GIL, which this thread holds while
+        # destroy_process_group waits for that worker: both would wait for ever, and torchrun with them
+        barrier = dist.barrier(async_op=True)
+        barrier.wait()
         dist.destroy_process_group()
 
 
