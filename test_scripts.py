@@ -2235,8 +2235,8 @@ def test_opt5_ranks_evaluate_disjoint_slices_that_cover_the_test_set_and_score_a
 def test_opt5_keeps_its_last_barriers_handle_until_its_process_group_is_destroyed(accumulating_ddp_runs):
     # The hang opt5's main comments on, made to happen every time (torch 2.6, Gloo, 2 ranks, not project code): a
     # rank starts an all-reduce, drops its tensor, starts a barrier and drops the barrier's handle, then destroys the
-    # process group: 3 hangs in 3 runs, gdb showing the main thread in ~ProcessGroupGloo joining a worker thread
-    # that waits for the GIL in ~TensorImpl; with the handle kept past destroy_process_group, 3 ends in 3
+    # process group: 5 hangs in 5 runs, gdb showing the main thread in ~ProcessGroupGloo joining a worker thread
+    # that waits for the GIL in ~TensorImpl; with the handle kept past destroy_process_group, 4 ends in 4
     for rank in accumulating_ddp_runs[1].ranks:
         assert rank["exit"][-2:] == ["process group destroyed", "barrier handle freed"], rank["exit"]
 
