@@ -16,6 +16,7 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import sys
 import time
 import warnings
@@ -129,8 +130,6 @@ OLDEST_TORCH = (2, 6)
 CUDA_12_INDEX = "https://download.pytorch.org/whl/cu126"
 # The oldest NVIDIA driver each CUDA major version runs on (with CUDA's minor version compatibility)
 MIN_DRIVER = {11: 450, 12: 525, 13: 580}
-# The first torch whose DDP keeps compiled CUDA graphs from re-recording at every step (check_ddp_cuda_graphs)
-DDP_CUDA_GRAPHS_TORCH = (2, 8)
 
 
 def pick_device(args):
@@ -139,9 +138,9 @@ def pick_device(args):
     Each verdict is one line, before any data is loaded: a torch older than the floor ends the run (exit 2); auto
     falls back to the CPU and says why (no GPU, a CPU-only torch, a driver too old for this torch's CUDA) and what to
     do; a GPU this torch has no kernels for ends the run; under torchrun, the process's own GPU (LOCAL_RANK) becomes
-    its current one before any CUDA work; a script that compiles (--compile) tries a tiny compile first and, where
-    that fails, says why and runs eager (args.compile becomes False, so the report says so). Under torchrun only
-    rank 0 prints the verdicts that do not end the run.
+    its current one before any CUDA work; a script that compiles (--compile) checks that inductor has what it
+    needs and, where it has not, says why and runs eager (args.compile becomes False, so the report says so). Under
+    torchrun only rank 0 prints the verdicts that do not end the run.
     """
     check_torch_version()
     name = args.device
@@ -268,17 +267,32 @@ CXX = {"linux": "g++ (Debian/Ubuntu: apt install g++)", "darwin": "Xcode's comma
 
 @functools.cache
 def compile_problem(device):
-    """Why torch.compile cannot work on `device` here, with the remedy, or None: from a trial compile, once."""
-    # Compiling imports cpp_extension, which on a machine with nvcc and no GPU warns "No CUDA runtime is found, using
-    # CUDA_HOME=..." (a print in torch 2.6): noise among a run's first lines, so import it quietly first
+    """Why torch.compile cannot work on `device` here, with the remedy, or None.
+
+    Read off what inductor needs: a C++ compiler for CPU kernels (found by inductor's own search); for GPU kernels,
+    Triton, a GPU of compute capability 7.0 or newer and a C compiler for Triton's launcher. Compiling a trial
+    function instead would cost seconds before every run.
+    """
+    # Inductor's modules import cpp_extension, which on a machine with nvcc and no GPU warns "No CUDA runtime is
+    # found, using CUDA_HOME=..." (a print in torch 2.6): noise among a run's first lines, so import it quietly first
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     with contextlib.redirect_stderr(io.StringIO()):
         import torch.utils.cpp_extension  # noqa: F401
-    try:
-        torch.compile(lambda x: torch.relu(x) + 1, dynamic=False)(torch.ones(8, device=device))
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton_package
+        if not has_triton_package():
+            return COMPILE_FAILURES["TritonMissing"]
+        if torch.cuda.get_device_capability(device) < (7, 0):
+            return COMPILE_FAILURES["GPUTooOldForTriton"]
+        if not (os.environ.get("CC") or any(shutil.which(name) for name in ("clang", "gcc", "cc"))):
+            return COMPILE_FAILURES["Failed to find C compiler"]
         return None
-    except Exception as error:  # whatever stops it, the run can go on eager
+    try:
+        from torch._inductor import cpp_builder
+        cpp_builder.get_cpp_compiler()
+    except Exception as error:  # InvalidCxxCompiler, or whatever else stops the search
         return compile_failure(error)
+    return None
 
 
 def compile_failure(error):
@@ -293,24 +307,6 @@ def compile_failure(error):
                 return words.format(compiler=CXX.get(sys.platform, "a C++ compiler"))
     first_line = (str(causes[-1]).strip().splitlines() or [""])[0][:150]
     return f"{type(causes[-1]).__name__}: {first_line}"
-
-
-def check_ddp_cuda_graphs(args, device, world_size):
-    """Compile in default mode under DDP on a GPU where this torch's DDP would make CUDA graphs re-record every step.
-
-    Before torch 2.8, Dynamo's DDPOptimizer split the graph at DDP's buckets with split_module, which dropped the
-    graphs' static-input metadata (pytorch#155746, read off torch/_dynamo/backends/distributed.py in the 2.7.1 and 2.8.0
-    wheels): CUDA graph trees then re-record at every step, which looks like a hang (pytorch#140395).
-    """
-    if not (args.compile and device.type == "cuda" and world_size > 1) or torch_version() >= DDP_CUDA_GRAPHS_TORCH:
-        return
-    why = (f"torch {torch.__version__}'s DDP makes CUDA graphs re-record at every step (fixed in torch "
-           f"{'.'.join(map(str, DDP_CUDA_GRAPHS_TORCH))})")
-    if args.compile_mode is None:
-        args.compile_mode = "default"
-        say(f"compile mode default, not reduce-overhead: {why}")
-    elif args.compile_mode in ("reduce-overhead", "max-autotune"):  # max-autotune replays CUDA graphs too
-        say(f"warning: --compile-mode {args.compile_mode} may be slower than default here: {why}")
 
 
 def no_buffer_broadcast():
@@ -471,11 +467,16 @@ def summarize(records, total_seconds, peak_memory, flops_per_image):
 
 def report(script, args, device, records, total_seconds, extra=None):
     """Print the run's summary and, with --json, append it with every setting and epoch."""
+    # The clock started just before the first epoch's first step: what came before it is setup (imports, checks,
+    # data, model, schedule)
+    setup_seconds = seconds_since_launch() - total_seconds
     summary = summarize(records, total_seconds, peak_memory_bytes(device), training_flops_per_image())
+    summary["setup_seconds"] = setup_seconds
     memory_kind = "GPU max allocated" if device.type == "cuda" else "CPU peak RSS"
     peak = summary["peak_memory_bytes"]
     memory = f"{peak / 2**30:.2f} GiB ({memory_kind})" if peak is not None else "not measured on this system"
-    print(f"done: {total_seconds:.1f} s of epochs, {summary['launch_to_result_seconds']:.0f} s from launch to result | "
+    print(f"done: {total_seconds:.1f} s of epochs, {summary['launch_to_result_seconds']:.0f} s from launch to result "
+          f"({setup_seconds:.1f} s of it before the first step) | "
           f"final test acc {100 * summary['final_test_accuracy']:.2f}% | "
           f"peak memory {memory}")
     if summary["steady_images_per_second"] is None:

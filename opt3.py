@@ -1,6 +1,6 @@
-"""opt3.py: opt2.py + bfloat16, fused AdamW, channels_last, the dataset kept on the device and
-augmented there in whole batches, no host-device sync in the loop (CUDA graphs on GPU), and
-flip test-time augmentation.
+"""opt3.py: opt2.py + bfloat16, channels_last, the dataset kept on the device and augmented there in
+whole batches, the whole training step as one function that the host never waits on (compiled, and
+on a GPU captured once as a CUDA graph and replayed), and flip test-time augmentation.
 
     python opt3.py --epochs 5               # CIFAR-10 in ./data, downloaded if missing
     python opt3.py --synthetic --epochs 2   # no download: measures speed only
@@ -24,10 +24,10 @@ def parse_args():
     parser = harness.build_parser(__doc__, batch_size=128, lr=8e-3)
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="torch.compile the model; --no-compile runs eager (default: on)")
-    parser.add_argument("--compile-mode", default=None,
-                        choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
-                        help="reduce-overhead replays CUDA graphs; max-autotune times kernel variants for "
-                             "minutes, longer than a short run (default: reduce-overhead on CUDA, default on CPU)")
+    parser.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"],
+                        help="max-autotune-no-cudagraphs times kernel variants for minutes, longer than a short run; "
+                             "the modes that capture CUDA graphs themselves are not offered: the script captures the "
+                             "whole step (default: default)")
     parser.add_argument("--accum-steps", type=harness.positive_int, default=1,
                         help="micro-batches per optimizer step; effective batch = batch size x this (default: 1)")
     parser.add_argument("--label-smoothing", type=harness.fraction, default=0.1,
@@ -57,80 +57,185 @@ def load_to_device(dataset, device):
     return images.to(device), torch.as_tensor(dataset.targets).to(device)
 
 
-@functools.cache
 def channel_statistics(device):
-    """CIFAR-10's per-channel mean and std in uint8 units, made on `device` once, not copied per step."""
+    """CIFAR-10's per-channel mean and std in uint8 units, as one tensor on `device`: made once (main), not per step."""
     statistics = torch.tensor([common.CIFAR10_MEAN, common.CIFAR10_STD], device=device) * 255
     return statistics.view(2, 1, 3, 1, 1)
 
 
-def normalize(images):
-    """uint8 images -> float32 with zero mean and unit variance per channel."""
-    mean, std = channel_statistics(images.device)
+def normalize(images, statistics):
+    """uint8 images -> float32 with zero mean and unit variance per channel (`statistics`: channel_statistics)."""
+    mean, std = statistics
     return (images.float() - mean) / std
 
 
-def augment(images, generator):
-    """Per image: a random crop of the reflect-padded image, as large as the image, and a random horizontal flip."""
+def augment(images, offsets, flips):
+    """Per image: the crop of the reflect-padded image, as large as the image, whose corner is at `offsets` (top and
+    left, 2 x batch x 1), mirrored where `flips` (batch x 1) is True."""
     (batch, channels, height, width), device, pad = images.shape, images.device, common.CROP_PADDING
     padded = F.pad(images, (pad, pad, pad, pad), mode="reflect")
-    top, left = torch.randint(0, 2 * pad + 1, (2, batch, 1), device=device, generator=generator)
-    flip = torch.rand(batch, 1, device=device, generator=generator) < 0.5
+    top, left = offsets
     rows = top + torch.arange(height, device=device)
     pixels = torch.arange(width, device=device)
-    columns = left + torch.where(flip, width - 1 - pixels, pixels)  # a flip reads the crop's columns backwards
+    columns = left + torch.where(flips, width - 1 - pixels, pixels)  # a flip reads the crop's columns backwards
     # One gather for the whole batch: image i, every channel, rows[i] x columns[i].
     image_index = torch.arange(batch, device=device).view(batch, 1, 1, 1)
     channel_index = torch.arange(channels, device=device).view(1, channels, 1, 1)
     return padded[image_index, channel_index, rows.view(batch, 1, height, 1), columns.view(batch, 1, 1, width)]
 
 
-def epoch_batches(size, batch_size, generator, device):
-    """One epoch's batches as rows of image indices: a fresh permutation cut into full batches.
+def empty_plan(steps, args, device):
+    """The buffers one epoch's steps read and write, on the device: each micro-batch's image indices, crop offsets and
+    flips, each step's learning rate and beta1, the step counter, and each micro-batch's loss and the correct count."""
+    rows, batch_size = steps * args.accum_steps, args.batch_size
+    return SimpleNamespace(
+        batches=torch.zeros(rows, batch_size, dtype=torch.long, device=device),
+        offsets=torch.zeros(rows, 2, batch_size, 1, dtype=torch.long, device=device),
+        flips=torch.zeros(rows, batch_size, 1, dtype=torch.bool, device=device),
+        schedule=torch.zeros(steps, 2, device=device),
+        # 1 element, not 0-d: indexing by it gathers on the device, where a 0-d index would be read by the host
+        step=torch.zeros(1, dtype=torch.long, device=device),
+        losses=torch.zeros(rows, device=device),
+        correct=torch.zeros((), dtype=torch.long, device=device),
+    )
 
-    The few images left over change each epoch; every batch is full, so a compiled step sees one shape.
-    """
+
+def draw_epoch(run, size, epoch):
+    """Fill the plan for `epoch` of a training set of `size` images: a fresh permutation cut into full batches (the few
+    images left over change each epoch; every batch is full, so the step sees one shape), every image's crop and flip,
+    and the epoch's rows of the schedule. copy_ writes into the buffers the step reads, at the addresses it knows."""
+    plan, generator, device = run.plan, run.generator, run.device
+    rows, batch_size = plan.batches.shape
     permutation = torch.randperm(size, device=device, generator=generator)
-    return permutation[: size // batch_size * batch_size].view(-1, batch_size)
+    plan.batches.copy_(permutation[:rows * batch_size].view(rows, batch_size))
+    crop_offsets = 2 * common.CROP_PADDING + 1
+    plan.offsets.copy_(torch.randint(0, crop_offsets, plan.offsets.shape, device=device, generator=generator))
+    plan.flips.copy_(torch.rand(plan.flips.shape, device=device, generator=generator) < 0.5)
+    steps = len(plan.schedule)
+    plan.schedule.copy_(run.schedule[(epoch - 1) * steps:epoch * steps])
+    for counter in (plan.step, plan.losses, plan.correct):
+        counter.zero_()
+
+
+def onecycle_schedule(max_lr, total_steps, device):
+    """OneCycleLR's learning rate and beta1 (the momentum it cycles) for every optimizer step, a row each, on the device.
+
+    torch's own scheduler computes them, stepped here once on a stand-in optimizer: a step reads its row, so no
+    scheduler runs on the host between steps and no value is baked into a compiled or captured step.
+    """
+    stand_in = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=max_lr)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(stand_in, max_lr=max_lr, total_steps=total_steps, pct_start=0.25)
+    rows = []
+    for _ in range(total_steps):
+        group = stand_in.param_groups[0]
+        rows.append((group["lr"], group["betas"][0]))
+        stand_in.step()  # it has no gradient: nothing moves, but the scheduler sees steps in their order
+        scheduler.step()
+    return torch.tensor(rows, device=device)
+
+
+def micro_batch_loss(run, micro_batch):
+    """Micro-batch `micro_batch` of the step the plan's counter is at: its images gathered from the dataset on the
+    device, normalized, cropped and flipped, the model's loss over them (divided by --accum-steps), and its loss and
+    correct count kept on the device."""
+    plan, (all_images, all_labels) = run.plan, run.train_data
+    row = plan.step * run.args.accum_steps + micro_batch
+    indices = plan.batches[row].squeeze(0)
+    # opt3: normalize, crop and flip the whole batch on the device; channels_last for the model
+    images = augment(normalize(all_images[indices], run.statistics), plan.offsets[row].squeeze(0), plan.flips[row].squeeze(0))
+    images = images.contiguous(memory_format=torch.channels_last)
+    labels = all_labels[indices]
+    # opt1: autocast runs convolutions in 16-bit where it is native: half the memory traffic, tensor cores
+    # opt3: without autocast's cache of cast weights, which a CUDA graph capture must not keep
+    with torch.autocast(run.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32,
+                        cache_enabled=False):
+        outputs = run.model(images)
+        loss = run.criterion(outputs, labels)
+    # opt3: losses and correct counts stay on the device: reading them per step would wait for the GPU
+    plan.losses[row] = loss.detach()
+    plan.correct += (outputs.argmax(1) == labels).sum()
+    return loss / run.args.accum_steps  # opt2: the mean over the effective batch
+
+
+def optimizer_step(run):
+    """The update that ends a step: the plan's learning rate and beta1 for this step written into the optimizer's own
+    tensors, the step, the gradients dropped, and the counter moved on."""
+    plan = run.plan
+    lr, beta1 = plan.schedule[plan.step].squeeze(0)
+    for group in run.optimizer.param_groups:
+        # opt3: the schedule lives in device tensors the update reads, not in floats a compiled or captured step
+        # would keep: the same step serves every learning rate
+        group["lr"].copy_(lr)
+        group["betas"][0].copy_(beta1)
+    run.scaler.step(run.optimizer)
+    run.scaler.update()
+    run.optimizer.zero_grad()  # opt3: set_to_none (the default): backward writes each gradient afresh, no zeroing pass
+    plan.step += 1
+
+
+def train_step(run):
+    """One optimizer step, whole: each micro-batch's augmentation, forward, loss and backward, then the update.
+
+    Everything it reads is on the device (the plan's batch, crops, flips and schedule, found by the plan's step
+    counter) and nothing is read back: every call is the same work on tensors at the same addresses, so the host
+    need not wait for it and a GPU can replay it as one CUDA graph.
+    """
+    for micro_batch in range(run.args.accum_steps):
+        loss = run.micro_batch_loss(run, micro_batch)
+        # opt1: float16 gradients can underflow to zero; GradScaler scales the loss up, then back
+        run.scaler.scale(loss).backward()
+    run.optimizer_step(run)
+
+
+def cuda_graph(step, warmup_steps=3):
+    """`step` (a function of no arguments) as a function that replays it as one CUDA graph: its first `warmup_steps`
+    calls run it as itself on a side stream, as PyTorch's whole-network capture does (compiling, cuDNN's autotuning
+    and the optimizer's first state happen there, not in the graph); the next captures it once; then each replays it.
+    """
+    graph, calls = torch.cuda.CUDAGraph(), 0
+
+    def replay():
+        nonlocal calls
+        calls += 1
+        if calls <= warmup_steps:
+            side_stream = torch.cuda.Stream()
+            side_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side_stream):
+                step()
+            torch.cuda.current_stream().wait_stream(side_stream)
+            return
+        if calls == warmup_steps + 1:
+            with torch.cuda.graph(graph):  # records the step's kernels; runs none of them
+                step()
+        graph.replay()
+    return replay
+
+
+def capture_problem(device, amp_dtype):
+    """Why the step cannot be replayed as a CUDA graph here, in words, or None where it can."""
+    if device.type != "cuda":
+        return "not captured: CUDA graphs are CUDA's"
+    if amp_dtype == torch.float16:
+        return "not captured: float16's GradScaler reads on the host whether each step's gradients are finite"
+    return None
 
 
 def train_one_epoch(run, train_data, epoch, monitor):
     """One pass over `train_data`; returns mean loss, accuracy, optimizer steps and images trained on."""
     run.model.train()
-    all_images, all_labels = train_data
-    # opt3: batches are gathered by index on the device: no loader, no workers, no host-to-device copy
-    batches = epoch_batches(len(all_labels), run.args.batch_size, run.generator, run.device)
-    # opt2: accumulating gradients of accum_steps micro-batches gives a big batch's step in less memory;
-    # every step gets exactly accum_steps micro-batches, so a few left over at the end are skipped
-    accum_steps = run.args.accum_steps
-    steps = len(batches) // accum_steps
-    # opt3: losses and correct counts stay on the device: reading them per step would wait for the GPU
-    losses = torch.zeros(steps * accum_steps, device=run.device)
-    correct = torch.zeros((), dtype=torch.long, device=run.device)
-    for micro_step, indices in enumerate(batches[: steps * accum_steps]):
-        # opt3: normalize, crop and flip the whole batch on the device; channels_last for the model
-        images = augment(normalize(all_images[indices]), run.generator).contiguous(memory_format=torch.channels_last)
-        labels = all_labels[indices]
-        # opt1: autocast runs convolutions in 16-bit where it is native: half the memory traffic, tensor cores
-        with torch.autocast(run.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32):
-            outputs = run.model(images)
-            loss = run.criterion(outputs, labels)
-        # opt1: float16 gradients can underflow to zero; GradScaler scales the loss up, then back
-        run.scaler.scale(loss / accum_steps).backward()  # opt2: the mean over the effective batch
-        if (micro_step + 1) % accum_steps == 0:
-            run.scaler.step(run.optimizer)
-            run.scaler.update()
-            # opt3: zero_grad() drops the gradients (set_to_none, the default); kept ones must stay put (see main)
-            run.optimizer.zero_grad(set_to_none=not run.keep_gradients)
-            run.scheduler.step()
-            monitor.step()
-        losses[micro_step] = loss.detach()
-        correct += (outputs.argmax(1) == labels).sum()
+    # opt3: the epoch's batches are drawn on the device at once and gathered there by index: no loader, no workers,
+    # no host-to-device copy; its crops, flips and learning rates likewise, so the step needs nothing from the host
+    draw_epoch(run, len(train_data[1]), epoch)
+    steps = len(run.plan.schedule)
+    for _ in range(steps):
+        run.train_step()
+        monitor.step()
     # opt3: the one wait for the device per epoch; a non-finite loss is found here, not at its step
+    losses = run.plan.losses
     for micro_step, loss_value in enumerate(losses.tolist()):
-        common.check_finite(loss_value, epoch, micro_step // accum_steps + 1)
+        common.check_finite(loss_value, epoch, micro_step // run.args.accum_steps + 1)
     images_seen = len(losses) * run.args.batch_size
-    return losses.mean().item(), correct.item() / images_seen, steps, images_seen
+    return losses.mean().item(), run.plan.correct.item() / images_seen, steps, images_seen
 
 
 def evaluate(run, test_data):
@@ -143,7 +248,7 @@ def evaluate(run, test_data):
     correct = torch.zeros((), dtype=torch.long, device=run.device)
     with torch.inference_mode():  # opt2: like no_grad, and also skips autograd's version tracking
         for start in range(0, len(all_labels), batch_size):
-            images = normalize(all_images[start:start + batch_size])
+            images = normalize(all_images[start:start + batch_size], run.statistics)
             # opt1: the last batch padded with blank images to a full one (their outputs are dropped): one shape, so
             # one compiled evaluation graph, not another for the last few images
             images = F.pad(images, (0, 0, 0, 0, 0, 0, 0, batch_size - len(images)))
@@ -178,30 +283,24 @@ def main():
     # opt3: channels_last (NHWC) is the layout tensor cores and the CPU's oneDNN convolutions run fastest
     model = common.ResNet10().to(device, memory_format=torch.channels_last)
     if args.compile:
-        # opt1: fuses operations into fewer kernels: less memory traffic and Python overhead
-        # opt3: on CUDA, reduce-overhead replays the model's forward and backward as CUDA graphs, a launch each
-        # instead of one per kernel (the loss, augmentation and optimizer still launch their kernels one by one)
-        model.compile(mode=args.compile_mode or ("reduce-overhead" if device.type == "cuda" else "default"))
-    # opt3: accumulating under CUDA graphs needs gradients that stay put: one that backward creates lives in the
-    # graphs' memory pool, which the next micro-batch's forward overwrites; so allocate them once and zero them
-    keep_gradients = args.accum_steps > 1
-    if keep_gradients:
-        for parameter in model.parameters():
-            parameter.grad = torch.zeros_like(parameter)
+        model.compile(mode=args.compile_mode)  # opt1: fuses operations into fewer kernels: less memory traffic and Python overhead
     # opt2: label smoothing keeps the logits from growing without bound: better accuracy in few epochs
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     # opt1: AdamW scales each weight's step by its recent gradients, so one rate suits every layer untuned
-    # opt3: fused=True does AdamW's whole update in one pass over the weights (on a GPU, one kernel for many);
-    # the default makes a pass per operation (foreach on a GPU: each over all weights; on a CPU, weight by weight)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.05, fused=True)
+    # opt3: its learning rate and betas are device tensors, which the step overwrites from the schedule; capturable
+    # keeps its step count on the GPU too, so a CUDA graph can replay the update (compiled, its ops fuse into a few
+    # kernels, as fused=True's one kernel)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=torch.tensor(args.lr, device=device),
+                                  betas=(torch.tensor(0.9, device=device), torch.tensor(0.999, device=device)),
+                                  weight_decay=0.05, capturable=device.type == "cuda")
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bfloat16 needs no scaling
     # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a
     # fixed rate; its length counts optimizer steps, not micro-batches
-    total_steps = args.epochs * (len(train_data[1]) // args.batch_size // args.accum_steps)
+    steps_per_epoch = len(train_data[1]) // args.batch_size // args.accum_steps
+    total_steps = args.epochs * steps_per_epoch
     if total_steps < 5:
         common.fail(f"{total_steps} optimizer steps in all are too few for OneCycleLR's warm-up (it needs 5); "
                     "use more --epochs or --train-size")
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total_steps, pct_start=0.25)
     # What the functions above need besides their data, in one object (a setting is read as run.args.name)
     run = SimpleNamespace(
         args=args,
@@ -211,10 +310,25 @@ def main():
         criterion=criterion,
         optimizer=optimizer,
         scaler=scaler,
-        scheduler=scheduler,
-        keep_gradients=keep_gradients,
         generator=generator,
+        train_data=train_data,
+        statistics=channel_statistics(device),
+        schedule=onecycle_schedule(args.lr, total_steps, device),
+        plan=empty_plan(steps_per_epoch, args, device),
+        micro_batch_loss=micro_batch_loss,
+        optimizer_step=optimizer_step,
     )
+    if args.compile:
+        # opt3: the whole step compiled, in the two halves that autograd's backward separates (Dynamo cannot trace
+        # into it): augmentation, forward and loss; then the update and its bookkeeping
+        run.micro_batch_loss = torch.compile(micro_batch_loss, mode=args.compile_mode)
+        run.optimizer_step = torch.compile(optimizer_step, mode=args.compile_mode)
+    run.train_step = functools.partial(train_step, run)
+    why_not = capture_problem(device, amp_dtype)
+    if why_not is None:
+        # opt3: on CUDA the whole step is captured once and replayed: one launch a step, however many kernels
+        run.train_step = cuda_graph(run.train_step)
+    print("step: captured as a CUDA graph and replayed" if why_not is None else f"step: run as a function, {why_not}")
 
     records = []
     start = common.now(device)
@@ -226,7 +340,7 @@ def main():
         test_figures = evaluate(run, test_data)
         harness.record_epoch(records, train_figures, test_figures, train_seconds)
     harness.report(__file__, args, device, records, common.now(device) - start,
-                  extra={"final_lr": optimizer.param_groups[0]["lr"]})
+                  extra={"final_lr": float(optimizer.param_groups[0]["lr"])})
     if args.save:
         torch.save(model.state_dict(), args.save)
 
