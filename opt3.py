@@ -134,6 +134,16 @@ def onecycle_schedule(max_lr, total_steps, device):
     return torch.tensor(rows, device=device)
 
 
+def adamw(parameters, lr, device):
+    """torch's AdamW (weight decay 0.05) with its learning rate and betas in tensors on `device`."""
+    # opt3: the step overwrites the learning rate and beta1 from the schedule in place: in floats, a compiled or
+    # captured step would keep the first ones. capturable keeps its step count on the GPU too, so a CUDA graph can
+    # replay the update; compiled, its ops fuse into a few kernels (what fused=True does by hand)
+    betas = (torch.tensor(0.9, device=device), torch.tensor(0.999, device=device))
+    return torch.optim.AdamW(parameters, lr=torch.tensor(lr, device=device), betas=betas, weight_decay=0.05,
+                             capturable=device.type == "cuda")
+
+
 def micro_batch_loss(run, micro_batch):
     """Micro-batch `micro_batch` of the step the plan's counter is at: its images gathered from the dataset on the
     device, normalized, cropped and flipped, the model's loss over them (divided by --accum-steps), and its loss and
@@ -163,9 +173,7 @@ def optimizer_step(run):
     plan = run.plan
     lr, beta1 = plan.schedule[plan.step].squeeze(0)
     for group in run.optimizer.param_groups:
-        # opt3: the schedule lives in device tensors the update reads, not in floats a compiled or captured step
-        # would keep: the same step serves every learning rate
-        group["lr"].copy_(lr)
+        group["lr"].copy_(lr)  # opt3: the schedule reaches the optimizer on the device (see adamw)
         group["betas"][0].copy_(beta1)
     run.scaler.step(run.optimizer)
     run.scaler.update()
@@ -287,12 +295,7 @@ def main():
     # opt2: label smoothing keeps the logits from growing without bound: better accuracy in few epochs
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     # opt1: AdamW scales each weight's step by its recent gradients, so one rate suits every layer untuned
-    # opt3: its learning rate and betas are device tensors, which the step overwrites from the schedule; capturable
-    # keeps its step count on the GPU too, so a CUDA graph can replay the update (compiled, its ops fuse into a few
-    # kernels, as fused=True's one kernel)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=torch.tensor(args.lr, device=device),
-                                  betas=(torch.tensor(0.9, device=device), torch.tensor(0.999, device=device)),
-                                  weight_decay=0.05, capturable=device.type == "cuda")
+    optimizer = adamw(model.parameters(), args.lr, device)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bfloat16 needs no scaling
     # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a
     # fixed rate; its length counts optimizer steps, not micro-batches
