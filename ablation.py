@@ -64,7 +64,8 @@ def whitening_stem(patch, images_used=5000):
     def model():
         network = build()
         stem = network.stem[0]
-        weights = whitening_weights(opt4.normalize(loaded[0][0][:images_used]).cpu())
+        images = loaded[0][0][:images_used]
+        weights = whitening_weights(opt4.normalize(images, opt4.channel_statistics(images.device)).cpu())
         with torch.no_grad():
             stem.weight[:len(weights)] = weights.to(stem.weight.device)
         stem.weight.requires_grad_(False)  # an optimizer skips a weight that gets no gradient
@@ -73,32 +74,18 @@ def whitening_stem(patch, images_used=5000):
     patch(common, "ResNet10", model)
 
 
-def crop(images, generator):
-    """opt4.augment's random crop of the reflect-padded images, without its random flip."""
-    (batch, channels, height, width), device, pad = images.shape, images.device, common.CROP_PADDING
-    padded = F.pad(images, (pad, pad, pad, pad), mode="reflect")
-    top, left = torch.randint(0, 2 * pad + 1, (2, batch, 1), device=device, generator=generator)
-    rows, columns = top + torch.arange(height, device=device), left + torch.arange(width, device=device)
-    image_index = torch.arange(batch, device=device).view(batch, 1, 1, 1)
-    channel_index = torch.arange(channels, device=device).view(1, channels, 1, 1)
-    return padded[image_index, channel_index, rows.view(batch, 1, height, 1), columns.view(batch, 1, 1, width)]
-
-
 def alternating_flip(patch):
     """Each image is mirrored in epoch 1 by a coin toss, then in every other epoch after it: over any two epochs
     each image is seen both ways, where independent coins show a quarter of them the same way twice."""
-    train, first_flips = opt4.train_one_epoch, []
+    draw, first_flips = opt4.draw_epoch, []
 
-    def train_one_epoch(run, train_data, epoch, monitor, size):
-        images, labels = train_data
+    def draw_epoch(run, size, epoch):
+        draw(run, size, epoch)  # opt4's batches and crops; its coin per position in a batch is replaced below
         if not first_flips:
             generator = torch.Generator(run.device).manual_seed(run.args.seed)
-            first_flips.append(torch.rand(len(labels), device=run.device, generator=generator) < 0.5)
-        flips = first_flips[0] ^ (epoch % 2 == 0)
-        images = torch.where(flips.view(-1, 1, 1, 1), images.flip(3), images)
-        return train(run, (images, labels), epoch, monitor, size)
-    patch(opt4, "augment", crop)
-    patch(opt4, "train_one_epoch", train_one_epoch)
+            first_flips.append(torch.rand(size, device=run.device, generator=generator) < 0.5)
+        run.plan.flips.copy_((first_flips[0][run.plan.batches] ^ (epoch % 2 == 0)).unsqueeze(-1))
+    patch(opt4, "draw_epoch", draw_epoch)
 
 
 def ema_of_the_weights(patch, decay=0.99):
@@ -123,10 +110,15 @@ def ema_of_the_weights(patch, decay=0.99):
 
 def nesterov_sgd(patch):
     """SGD with Nesterov momentum 0.9 and weight decay 5e-4, the CIFAR-10 speed records' optimizer, in place of
-    AdamW (with --lr 0.2; OneCycleLR also cycles its momentum)."""
-    def sgd(parameters, lr, weight_decay, fused):
-        return torch.optim.SGD(parameters, lr=lr, momentum=0.9, nesterov=True, weight_decay=5e-4, fused=fused)
-    patch(torch.optim, "AdamW", sgd)
+    AdamW (with --lr 0.2). Its rate follows OneCycleLR's table; its momentum stays 0.9 (SGD takes it as a float, so
+    the table's beta1 lands in a tensor SGD never reads; measured before opt3's table, OneCycleLR cycled it)."""
+    def sgd(parameters, lr, device):
+        optimizer = torch.optim.SGD(parameters, lr=torch.tensor(lr, device=device), momentum=0.9, nesterov=True,
+                                    weight_decay=5e-4)
+        for group in optimizer.param_groups:
+            group["betas"] = (torch.tensor(0.9, device=device),)
+        return optimizer
+    patch(opt4, "adamw", sgd)
 
 
 # (row, opt4 flags, technique or None, what it changes)
@@ -168,7 +160,7 @@ def score(run, test_data):
             start, firsts, means = common.now(run.device), [], []
             for first in range(0, len(all_labels), batch_size):
                 count = min(batch_size, len(all_labels) - first)
-                images = opt4.normalize(all_images[first:first + count])
+                images = opt4.normalize(all_images[first:first + count], run.statistics)
                 images = F.pad(images, (0, 0, 0, 0, 0, 0, 0, batch_size - count))  # a full batch, as in opt4
                 images = shifted(images, rows, columns).contiguous(memory_format=torch.channels_last)
                 with torch.autocast(run.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32):

@@ -118,7 +118,7 @@ def draw_epoch(run, size, epoch):
 
 
 def onecycle_schedule(max_lr, total_steps, device):
-    """OneCycleLR's learning rate and beta1 (the momentum it cycles) for every optimizer step, a row each, on the device.
+    """OneCycleLR's learning rate and beta1 (the momentum it cycles) for every optimizer step, a row each, on `device`.
 
     torch's own scheduler computes them, stepped here once on a stand-in optimizer: a step reads its row, so no
     scheduler runs on the host between steps and no value is baked into a compiled or captured step.
@@ -152,7 +152,8 @@ def micro_batch_loss(run, micro_batch):
     row = plan.step * run.args.accum_steps + micro_batch
     indices = plan.batches[row].squeeze(0)
     # opt3: normalize, crop and flip the whole batch on the device; channels_last for the model
-    images = augment(normalize(all_images[indices], run.statistics), plan.offsets[row].squeeze(0), plan.flips[row].squeeze(0))
+    offsets, flips = plan.offsets[row].squeeze(0), plan.flips[row].squeeze(0)
+    images = augment(normalize(all_images[indices], run.statistics), offsets, flips)
     images = images.contiguous(memory_format=torch.channels_last)
     labels = all_labels[indices]
     # opt1: autocast runs convolutions in 16-bit where it is native: half the memory traffic, tensor cores
@@ -238,7 +239,8 @@ def train_one_epoch(run, train_data, epoch, monitor):
     for _ in range(steps):
         run.train_step()
         monitor.step()
-    # opt3: the one wait for the device per epoch; a non-finite loss is found here, not at its step
+    # opt3: the one wait for the device per epoch (in float16 GradScaler adds one per step, for the found-inf flag it
+    # reads on the host); a non-finite loss is found here, not at its step
     losses = run.plan.losses
     for micro_step, loss_value in enumerate(losses.tolist()):
         common.check_finite(loss_value, epoch, micro_step // run.args.accum_steps + 1)
@@ -291,7 +293,8 @@ def main():
     # opt3: channels_last (NHWC) is the layout tensor cores and the CPU's oneDNN convolutions run fastest
     model = common.ResNet10().to(device, memory_format=torch.channels_last)
     if args.compile:
-        model.compile(mode=args.compile_mode)  # opt1: fuses operations into fewer kernels: less memory traffic and Python overhead
+        # opt1: fuses operations into fewer kernels: less memory traffic and Python overhead
+        model.compile(mode=args.compile_mode)
     # opt2: label smoothing keeps the logits from growing without bound: better accuracy in few epochs
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     # opt1: AdamW scales each weight's step by its recent gradients, so one rate suits every layer untuned

@@ -145,7 +145,7 @@ def draw_epoch(run, size, epoch):
 
 
 def onecycle_schedule(max_lr, total_steps, device):
-    """OneCycleLR's learning rate and beta1 (the momentum it cycles) for every optimizer step, a row each, on the device.
+    """OneCycleLR's learning rate and beta1 (the momentum it cycles) for every optimizer step, a row each, on `device`.
 
     torch's own scheduler computes them, stepped here once on a stand-in optimizer: a step reads its row, so no
     scheduler runs on the host between steps and no value is baked into a compiled or captured step.
@@ -204,7 +204,7 @@ class Muon(torch.optim.Optimizer):
         super().__init__(filters, {name: adamw.defaults[name] for name in ("lr", "betas", "weight_decay")})
         self.param_groups += adamw.param_groups  # the same dicts: a write to one is a write to the other
         self.adamw, self.dtype, self.steps = adamw, dtype, steps
-        for parameter in self.param_groups[0]["params"]:  # here, not at the first step, which a compiled step recompiles
+        for parameter in self.param_groups[0]["params"]:  # here: made in the first step, a compiled step recompiles
             self.state[parameter]["momentum"] = torch.zeros_like(parameter)
 
     @torch.no_grad()
@@ -236,7 +236,8 @@ def micro_batch_loss(run, micro_batch, size):
     row = plan.step * run.args.accum_steps + micro_batch
     indices = plan.batches[row].squeeze(0)
     # opt3: normalize, crop and flip the whole batch on the device; channels_last for the model
-    images = augment(normalize(all_images[indices], run.statistics), plan.offsets[row].squeeze(0), plan.flips[row].squeeze(0))
+    offsets, flips = plan.offsets[row].squeeze(0), plan.flips[row].squeeze(0)
+    images = augment(normalize(all_images[indices], run.statistics), offsets, flips)
     # opt4: progressive resizing: a convolution's work scales with the pixels, so a 16x16 epoch has a quarter of a
     # 32x32 one's; ResNet10 pools globally, so it takes any size, and the last epochs teach it 32x32
     images = downscale(images, size).contiguous(memory_format=torch.channels_last)
@@ -424,7 +425,8 @@ def main():
     if args.compile:
         # opt3: the whole step compiled, in the two halves that autograd's backward separates (Dynamo cannot trace
         # into it): augmentation, forward and loss; then the update and its bookkeeping
-        run.micro_batch_loss = torch.compile(micro_batch_loss, mode=args.compile_mode, dynamic=False)  # opt4: as the model
+        # opt4: dynamic=False, as the model
+        run.micro_batch_loss = torch.compile(micro_batch_loss, mode=args.compile_mode, dynamic=False)
         run.optimizer_step = torch.compile(optimizer_step, mode=args.compile_mode)
     sizes = {image_size(epoch, args.epochs, args.min_size, full_size=train_data[0].shape[-1])
              for epoch in range(1, args.epochs + 1)}

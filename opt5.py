@@ -29,10 +29,10 @@ def parse_args():
     parser = harness.build_parser(__doc__, batch_size=128, lr=8e-3)
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="torch.compile the model; --no-compile runs eager (default: on)")
-    parser.add_argument("--compile-mode", default=None,
-                        choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
-                        help="reduce-overhead replays CUDA graphs; max-autotune times kernel variants for "
-                             "minutes, longer than a short run (default: reduce-overhead on CUDA, default on CPU)")
+    parser.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"],
+                        help="max-autotune-no-cudagraphs times kernel variants for minutes, longer than a short run; "
+                             "the modes that capture CUDA graphs themselves are not offered: the script captures the "
+                             "whole step (default: default)")
     parser.add_argument("--accum-steps", type=harness.positive_int, default=1,
                         help="micro-batches per optimizer step; effective batch = batch size x this (default: 1)")
     parser.add_argument("--label-smoothing", type=harness.fraction, default=0.1,
@@ -135,28 +135,27 @@ def load_to_device(dataset, device):
     return images.to(device), torch.as_tensor(dataset.targets).to(device)
 
 
-@functools.cache
 def channel_statistics(device):
-    """CIFAR-10's per-channel mean and std in uint8 units, made on `device` once, not copied per step."""
+    """CIFAR-10's per-channel mean and std in uint8 units, as one tensor on `device`: made once (main), not per step."""
     statistics = torch.tensor([common.CIFAR10_MEAN, common.CIFAR10_STD], device=device) * 255
     return statistics.view(2, 1, 3, 1, 1)
 
 
-def normalize(images):
-    """uint8 images -> float32 with zero mean and unit variance per channel."""
-    mean, std = channel_statistics(images.device)
+def normalize(images, statistics):
+    """uint8 images -> float32 with zero mean and unit variance per channel (`statistics`: channel_statistics)."""
+    mean, std = statistics
     return (images.float() - mean) / std
 
 
-def augment(images, generator):
-    """Per image: a random crop of the reflect-padded image, as large as the image, and a random horizontal flip."""
+def augment(images, offsets, flips):
+    """Per image: the crop of the reflect-padded image, as large as the image, whose corner is at `offsets` (top and
+    left, 2 x batch x 1), mirrored where `flips` (batch x 1) is True."""
     (batch, channels, height, width), device, pad = images.shape, images.device, common.CROP_PADDING
     padded = F.pad(images, (pad, pad, pad, pad), mode="reflect")
-    top, left = torch.randint(0, 2 * pad + 1, (2, batch, 1), device=device, generator=generator)
-    flip = torch.rand(batch, 1, device=device, generator=generator) < 0.5
+    top, left = offsets
     rows = top + torch.arange(height, device=device)
     pixels = torch.arange(width, device=device)
-    columns = left + torch.where(flip, width - 1 - pixels, pixels)  # a flip reads the crop's columns backwards
+    columns = left + torch.where(flips, width - 1 - pixels, pixels)  # a flip reads the crop's columns backwards
     # One gather for the whole batch: image i, every channel, rows[i] x columns[i].
     image_index = torch.arange(batch, device=device).view(batch, 1, 1, 1)
     channel_index = torch.arange(channels, device=device).view(1, channels, 1, 1)
@@ -177,16 +176,67 @@ def downscale(images, size):
     return F.interpolate(images, size=(size, size), mode="area")
 
 
-def epoch_batches(size, batch_size, generator, device, rank, world_size):
-    """This rank's share of one epoch's batches, as rows of image indices.
+def empty_plan(steps, args, device):
+    """The buffers one epoch's steps read and write, on the device: each micro-batch's image indices, crop offsets and
+    flips, each step's learning rate and beta1, the step counter, and each micro-batch's loss and the correct count."""
+    rows, batch_size = steps * args.accum_steps, args.batch_size
+    return SimpleNamespace(
+        batches=torch.zeros(rows, batch_size, dtype=torch.long, device=device),
+        offsets=torch.zeros(rows, 2, batch_size, 1, dtype=torch.long, device=device),
+        flips=torch.zeros(rows, batch_size, 1, dtype=torch.bool, device=device),
+        schedule=torch.zeros(steps, 2, device=device),
+        # 1 element, not 0-d: indexing by it gathers on the device, where a 0-d index would be read by the host
+        step=torch.zeros(1, dtype=torch.long, device=device),
+        losses=torch.zeros(rows, device=device),
+        correct=torch.zeros((), dtype=torch.long, device=device),
+    )
 
-    Every rank draws the same permutation (same seed) and cuts it into global batches of
-    world_size x batch_size; rank r takes the r-th slice of each, so the shares are disjoint.
-    The few images left over change each epoch; every batch is full, so a compiled step sees one shape.
-    """
+
+def draw_epoch(run, size, epoch):
+    """Fill the plan for `epoch` of a training set of `size` images: a fresh permutation cut into full batches (the few
+    images left over change each epoch; every batch is full, so the step sees one shape), every image's crop and flip,
+    and the epoch's rows of the schedule. copy_ writes into the buffers the step reads, at the addresses it knows."""
+    plan, generator, device = run.plan, run.generator, run.device
+    rows, batch_size = plan.batches.shape
     permutation = torch.randperm(size, device=device, generator=generator)
-    global_batch = batch_size * world_size
-    return permutation[: size // global_batch * global_batch].view(-1, world_size, batch_size)[:, rank]
+    # opt5: every rank draws the same permutation (same seed) and cuts it into global batches of world_size x
+    # batch_size; rank r takes the r-th slice of each, so the shares are disjoint
+    global_batch = batch_size * run.world_size
+    plan.batches.copy_(permutation[:rows * global_batch].view(rows, run.world_size, batch_size)[:, run.rank])
+    crop_offsets, generator = 2 * common.CROP_PADDING + 1, run.augment_generator  # opt5: each rank its own crops
+    plan.offsets.copy_(torch.randint(0, crop_offsets, plan.offsets.shape, device=device, generator=generator))
+    plan.flips.copy_(torch.rand(plan.flips.shape, device=device, generator=generator) < 0.5)
+    steps = len(plan.schedule)
+    plan.schedule.copy_(run.schedule[(epoch - 1) * steps:epoch * steps])
+    for counter in (plan.step, plan.losses, plan.correct):
+        counter.zero_()
+
+
+def onecycle_schedule(max_lr, total_steps, device):
+    """OneCycleLR's learning rate and beta1 (the momentum it cycles) for every optimizer step, a row each, on `device`.
+
+    torch's own scheduler computes them, stepped here once on a stand-in optimizer: a step reads its row, so no
+    scheduler runs on the host between steps and no value is baked into a compiled or captured step.
+    """
+    stand_in = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=max_lr)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(stand_in, max_lr=max_lr, total_steps=total_steps, pct_start=0.25)
+    rows = []
+    for _ in range(total_steps):
+        group = stand_in.param_groups[0]
+        rows.append((group["lr"], group["betas"][0]))
+        stand_in.step()  # it has no gradient: nothing moves, but the scheduler sees steps in their order
+        scheduler.step()
+    return torch.tensor(rows, device=device)
+
+
+def adamw(parameters, lr, device):
+    """torch's AdamW (weight decay 0.05) with its learning rate and betas in tensors on `device`."""
+    # opt3: the step overwrites the learning rate and beta1 from the schedule in place: in floats, a compiled or
+    # captured step would keep the first ones. capturable keeps its step count on the GPU too, so a CUDA graph can
+    # replay the update; compiled, its ops fuse into a few kernels (what fused=True does by hand)
+    betas = (torch.tensor(0.9, device=device), torch.tensor(0.999, device=device))
+    return torch.optim.AdamW(parameters, lr=torch.tensor(lr, device=device), betas=betas, weight_decay=0.05,
+                             capturable=device.type == "cuda")
 
 
 def orthogonalize(matrix, steps, dtype):
@@ -208,8 +258,9 @@ def orthogonalize(matrix, steps, dtype):
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon (Keller Jordan, 2024) for the convolution filters and AdamW for every other parameter, in one optimizer, so
-    OneCycleLR cycles both rates and both momenta (betas[0]) and GradScaler and zero_grad see every parameter.
+    """Muon (Keller Jordan, 2024) for the convolution filters, with an AdamW for every other parameter inside it: one
+    optimizer, so the step's schedule writes both groups' learning rate and beta1, and GradScaler and zero_grad see
+    every parameter.
 
     A filter's step is its Nesterov momentum, seen as a matrix (out x in*k*k) and orthogonalized: every direction gets
     a step of the same size, so the rare directions that a gradient step all but ignores learn as fast as the common
@@ -217,81 +268,144 @@ class Muon(torch.optim.Optimizer):
     rate and weight decay carry over. torch.optim.Muon (torch 2.9 and newer) takes 2-D weights only.
     """
 
-    def __init__(self, parameters, lr, weight_decay, dtype, steps):
-        parameters = list(parameters)
-        groups = [{"params": [parameter for parameter in parameters if parameter.ndim == 4], "muon": True},
-                  {"params": [parameter for parameter in parameters if parameter.ndim != 4], "muon": False}]
-        super().__init__(groups, {"lr": lr, "weight_decay": weight_decay, "betas": (0.9, 0.999), "eps": 1e-8})
-        self.dtype, self.steps = dtype, steps
+    def __init__(self, filters, adamw, dtype, steps):
+        super().__init__(filters, {name: adamw.defaults[name] for name in ("lr", "betas", "weight_decay")})
+        self.param_groups += adamw.param_groups  # the same dicts: a write to one is a write to the other
+        self.adamw, self.dtype, self.steps = adamw, dtype, steps
+        for parameter in self.param_groups[0]["params"]:  # here: made in the first step, a compiled step recompiles
+            self.state[parameter]["momentum"] = torch.zeros_like(parameter)
 
     @torch.no_grad()
     def step(self):
-        for group in self.param_groups:
-            lr, (beta1, beta2) = group["lr"], group["betas"]
-            for parameter in group["params"]:
-                if parameter.grad is None:
-                    continue
-                grad, state = parameter.grad, self.state[parameter]
-                if not state:  # Muon keeps a momentum per filter, AdamW also a mean square per weight
-                    state.update(step=0, exp_avg=torch.zeros_like(parameter))
-                    if not group["muon"]:
-                        state["exp_avg_sq"] = torch.zeros_like(parameter)
-                state["step"] += 1
-                parameter.mul_(1 - lr * group["weight_decay"])  # decoupled weight decay, as AdamW's
-                momentum = state["exp_avg"].lerp_(grad, 1 - beta1)
-                if group["muon"]:
-                    update = grad.lerp(momentum, beta1).flatten(1)  # Nesterov momentum; the filter as a matrix
-                    scale = 0.2 * max(update.shape) ** 0.5
-                    update = orthogonalize(update, self.steps, self.dtype).reshape(parameter.shape)
-                    parameter.add_(update, alpha=-lr * scale)
-                else:
-                    state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                    denominator = (state["exp_avg_sq"] / (1 - beta2 ** state["step"])).sqrt_().add_(group["eps"])
-                    parameter.addcdiv_(momentum, denominator, value=-lr / (1 - beta1 ** state["step"]))
+        group = self.param_groups[0]
+        filters = [parameter for parameter in group["params"] if parameter.grad is not None]
+        grads = [parameter.grad for parameter in filters]
+        momenta = [self.state[parameter]["momentum"] for parameter in filters]
+        lr, beta1 = group["lr"], group["betas"][0]  # tensors (see adamw): foreach ops take them without a host read
+        # opt4: each update below is one foreach op over all the filters, not one op per filter
+        torch._foreach_mul_(filters, 1 - lr * group["weight_decay"])  # decoupled weight decay, as AdamW's
+        torch._foreach_mul_(momenta, beta1)
+        torch._foreach_add_(momenta, torch._foreach_mul(grads, 1 - beta1))
+        # Nesterov momentum: the gradient moved a beta1 of the way to the new momentum
+        updates = torch._foreach_add(torch._foreach_mul(grads, 1 - beta1), torch._foreach_mul(momenta, beta1))
+        # each filter as a matrix, orthogonalized, and scaled to AdamW's step size
+        updates = [orthogonalize(update.flatten(1), self.steps, self.dtype).view_as(update) for update in updates]
+        torch._foreach_mul_(updates, [-0.2 * max(update.shape[0], update[0].numel()) ** 0.5 for update in updates])
+        torch._foreach_mul_(updates, lr)
+        torch._foreach_add_(filters, updates)
+        self.adamw.step()
+
+
+def micro_batch_loss(run, micro_batch, size):
+    """Micro-batch `micro_batch` of the step the plan's counter is at: its images gathered from the dataset on the
+    device, normalized, cropped, flipped and shrunk to size x size, the model's loss over them (divided by
+    --accum-steps), and its loss and correct count kept on the device."""
+    plan, (all_images, all_labels) = run.plan, run.train_data
+    row = plan.step * run.args.accum_steps + micro_batch
+    indices = plan.batches[row].squeeze(0)
+    # opt3: normalize, crop and flip the whole batch on the device; channels_last for the model
+    offsets, flips = plan.offsets[row].squeeze(0), plan.flips[row].squeeze(0)
+    images = augment(normalize(all_images[indices], run.statistics), offsets, flips)
+    # opt4: progressive resizing: a convolution's work scales with the pixels, so a 16x16 epoch has a quarter of a
+    # 32x32 one's; ResNet10 pools globally, so it takes any size, and the last epochs teach it 32x32
+    images = downscale(images, size).contiguous(memory_format=torch.channels_last)
+    labels = all_labels[indices]
+    # opt1: autocast runs convolutions in 16-bit where it is native: half the memory traffic, tensor cores
+    # opt3: without autocast's cache of cast weights, which a CUDA graph capture must not keep
+    with torch.autocast(run.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32,
+                        cache_enabled=False):
+        outputs = run.model(images)
+        loss = run.criterion(outputs, labels)
+    # opt3: losses and correct counts stay on the device: reading them per step would wait for the GPU
+    plan.losses[row] = loss.detach()
+    plan.correct += (outputs.argmax(1) == labels).sum()
+    return loss / run.args.accum_steps  # opt2: the mean over the effective batch
+
+
+def optimizer_step(run):
+    """The update that ends a step: the plan's learning rate and beta1 for this step written into the optimizer's own
+    tensors, the step, the gradients dropped, and the counter moved on."""
+    plan = run.plan
+    lr, beta1 = plan.schedule[plan.step].squeeze(0)
+    for group in run.optimizer.param_groups:
+        group["lr"].copy_(lr)  # opt3: the schedule reaches the optimizer on the device (see adamw)
+        group["betas"][0].copy_(beta1)
+    run.scaler.step(run.optimizer)
+    run.scaler.update()
+    # opt3: set_to_none: backward writes each gradient afresh, no zeroing pass
+    # opt5: but not under DDP, whose kept gradients are views of its all-reduce buckets (see train)
+    run.optimizer.zero_grad(set_to_none=run.world_size == 1)
+    plan.step += 1
+
+
+def train_step(run, size):
+    """One optimizer step, whole: each micro-batch's augmentation, forward, loss and backward, then the update.
+
+    Everything it reads is on the device (the plan's batch, crops, flips and schedule, found by the plan's step
+    counter) and nothing is read back: every call is the same work on tensors at the same addresses, so the host
+    need not wait for it and a GPU can replay it as one CUDA graph.
+    """
+    for micro_batch in range(run.args.accum_steps):
+        # opt5: DDP all-reduces the gradients in the backward of a step's last micro-batch only (as no_sync() does)
+        run.model.require_backward_grad_sync = micro_batch + 1 == run.args.accum_steps
+        loss = run.micro_batch_loss(run, micro_batch, size)
+        # opt1: float16 gradients can underflow to zero; GradScaler scales the loss up, then back
+        run.scaler.scale(loss).backward()
+    run.optimizer_step(run)
+
+
+def cuda_graph(step, warmup_steps=3):
+    """`step` (a function of no arguments) as a function that replays it as one CUDA graph: its first `warmup_steps`
+    calls run it as itself on a side stream, as PyTorch's whole-network capture does (compiling, cuDNN's autotuning
+    and the optimizer's first state happen there, not in the graph); the next captures it once; then each replays it.
+    """
+    graph, calls = torch.cuda.CUDAGraph(), 0
+
+    def replay():
+        nonlocal calls
+        calls += 1
+        if calls <= warmup_steps:
+            side_stream = torch.cuda.Stream()
+            side_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side_stream):
+                step()
+            torch.cuda.current_stream().wait_stream(side_stream)
+            return
+        if calls == warmup_steps + 1:
+            with torch.cuda.graph(graph):  # records the step's kernels; runs none of them
+                step()
+        graph.replay()
+    return replay
+
+
+def capture_problem(device, amp_dtype, world_size):
+    """Why the step cannot be replayed as a CUDA graph here, in words, or None where it can."""
+    if device.type != "cuda":
+        return "not captured: CUDA graphs are CUDA's"
+    if world_size > 1:  # opt5
+        return "not captured: DDP's all-reduce is launched by its hooks during backward, outside what a capture holds"
+    if amp_dtype == torch.float16:
+        return "not captured: float16's GradScaler reads on the host whether each step's gradients are finite"
+    return None
 
 
 def train_one_epoch(run, train_data, epoch, monitor, size):
     """One pass over `train_data`; returns mean loss, accuracy, optimizer steps and images trained on."""
     run.model.train()
-    all_images, all_labels = train_data
-    # opt3: batches are gathered by index on the device: no loader, no workers, no host-to-device copy
-    batches = epoch_batches(len(all_labels), run.args.batch_size, run.generator, run.device, run.rank, run.world_size)
-    # opt2: accumulating gradients of accum_steps micro-batches gives a big batch's step in less memory;
-    # every step gets exactly accum_steps micro-batches, so a few left over at the end are skipped
-    accum_steps = run.args.accum_steps
-    steps = len(batches) // accum_steps
-    # opt3: losses and correct counts stay on the device: reading them per step would wait for the GPU
-    losses = torch.zeros(steps * accum_steps, device=run.device)
-    correct = torch.zeros((), dtype=torch.long, device=run.device)
-    for micro_step, indices in enumerate(batches[: steps * accum_steps]):
-        # opt3: normalize, crop and flip the whole batch on the device; channels_last for the model
-        images = augment(normalize(all_images[indices]), run.augment_generator)
-        # opt4: progressive resizing: a convolution's work scales with the pixels, so a 16x16 epoch has a quarter of a
-        # 32x32 one's; ResNet10 pools globally, so it takes any size, and the last epochs teach it 32x32
-        images = downscale(images, size).contiguous(memory_format=torch.channels_last)
-        labels = all_labels[indices]
-        # opt5: DDP all-reduces the gradients in the backward of a step's last micro-batch only (as no_sync() does)
-        run.model.require_backward_grad_sync = (micro_step + 1) % accum_steps == 0
-        # opt1: autocast runs convolutions in 16-bit where it is native: half the memory traffic, tensor cores
-        with torch.autocast(run.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32):
-            outputs = run.model(images)
-            loss = run.criterion(outputs, labels)
-        # opt1: float16 gradients can underflow to zero; GradScaler scales the loss up, then back
-        run.scaler.scale(loss / accum_steps).backward()  # opt2: the mean over the effective batch
-        if (micro_step + 1) % accum_steps == 0:
-            run.scaler.step(run.optimizer)
-            run.scaler.update()
-            # opt3: zero_grad() drops the gradients (set_to_none, the default); kept ones must stay put (see main)
-            run.optimizer.zero_grad(set_to_none=not run.keep_gradients)
-            run.scheduler.step()
-            monitor.step()
-        losses[micro_step] = loss.detach()
-        correct += (outputs.argmax(1) == labels).sum()
-    # opt3: the one wait for the device per epoch (in float16 GradScaler adds one per Muon step, which it cannot
-    # skip on the device as fused AdamW does); a non-finite loss is found here, not at its step
+    # opt3: the epoch's batches are drawn on the device at once and gathered there by index: no loader, no workers,
+    # no host-to-device copy; its crops, flips and learning rates likewise, so the step needs nothing from the host
+    draw_epoch(run, len(train_data[1]), epoch)
+    steps = len(run.plan.schedule)
+    for _ in range(steps):
+        run.train_steps[size]()
+        monitor.step()
+    # opt3: the one wait for the device per epoch (in float16 GradScaler adds one per step, for the found-inf flag it
+    # reads on the host); a non-finite loss is found here, not at its step
+    losses = run.plan.losses
     for micro_step, loss_value in enumerate(losses.tolist()):
-        common.check_finite(loss_value, epoch, micro_step // accum_steps + 1)
-    totals = torch.stack([losses.sum(), correct.to(losses.dtype), torch.tensor(float(len(losses)), device=run.device)])
+        common.check_finite(loss_value, epoch, micro_step // run.args.accum_steps + 1)
+    micro_batches = torch.tensor(float(len(losses)), device=run.device)
+    totals = torch.stack([losses.sum(), run.plan.correct.to(losses.dtype), micro_batches])
     if run.world_size > 1:
         dist.all_reduce(totals)  # opt5: loss, accuracy and images/s count every rank's share
     loss_sum, correct_sum, micro_batches = totals.tolist()
@@ -311,7 +425,7 @@ def evaluate(run, test_data, size):
     correct = torch.zeros((), dtype=torch.long, device=run.device)
     with torch.inference_mode():  # opt2: like no_grad, and also skips autograd's version tracking
         for start in range(0, len(all_labels), batch_size):
-            images = normalize(all_images[start:start + batch_size])
+            images = normalize(all_images[start:start + batch_size], run.statistics)
             # opt1: the last batch padded with blank images to a full one (their outputs are dropped): one shape, so
             # one compiled evaluation graph, not another for the last few images
             images = F.pad(images, (0, 0, 0, 0, 0, 0, 0, batch_size - len(images)))
@@ -334,7 +448,6 @@ def evaluate(run, test_data, size):
 def main():
     args = parse_args()
     rank, world_size, device = setup_distributed(harness.pick_device(args))
-    harness.check_ddp_cuda_graphs(args, device, world_size)
     train(args, rank, world_size, device)
     if world_size > 1:
         # opt5: the ranks leave together, and this thread keeps the barrier's handle until the process group is gone:
@@ -371,17 +484,13 @@ def train(args, rank, world_size, device):
     model = common.ResNet10().to(device, memory_format=torch.channels_last)
     if args.compile:
         # opt1: fuses operations into fewer kernels: less memory traffic and Python overhead
-        # opt3: on CUDA, reduce-overhead replays the model's forward and backward as CUDA graphs, a launch each
-        # instead of one per kernel (the loss, augmentation and optimizer still launch their kernels one by one)
-        # opt4: dynamic=False compiles a graph for each image size; by default the second size would recompile
-        # into one graph with symbolic sizes, whose kernels are less specialized
-        model.compile(mode=args.compile_mode or ("reduce-overhead" if device.type == "cuda" else "default"),
-                      dynamic=False)
-    # opt3: accumulating under CUDA graphs needs gradients that stay put: one that backward creates lives in the
-    # graphs' memory pool, which the next micro-batch's forward overwrites; so allocate them once and zero them
-    # opt5: and under DDP, where they are views of its all-reduce buckets: set to None, every step would copy them
-    keep_gradients = args.accum_steps > 1 or world_size > 1
-    if keep_gradients:
+        # opt4: dynamic=False compiles a graph for each image size. With the sizes symbolic (dynamic=True) inductor
+        # still recompiles at each size (its convolution backward specializes on it, torch 2.14), and its kernels
+        # are less specialized
+        model.compile(mode=args.compile_mode, dynamic=False)
+    # opt5: under DDP the gradients are kept and zeroed, not dropped: they are views of its all-reduce buckets, and
+    # set to None every step would copy them
+    if world_size > 1:
         for parameter in model.parameters():
             parameter.grad = torch.zeros_like(parameter)
     train_model = model
@@ -402,25 +511,24 @@ def train(args, rank, world_size, device):
     # opt5: --lr is the rate for one process's step of --batch-size x --accum-steps images, as in opt4; world_size
     # processes make the global batch world_size times larger, averaging away noise: scale the rate by its square root
     max_lr = args.lr * world_size ** 0.5
+    # opt1: AdamW scales each weight's step by its recent gradients, so one rate suits every layer untuned
     if args.optimizer == "muon":
         # opt4: Muon for the filters: more accuracy per epoch, for the cost of its update (see Muon);
         # Newton-Schulz in the 16-bit type the hardware runs natively, in float32 where it has none; 3 steps
         # (--ns-steps) are 3/5 of torch.optim.Muon's default work and trained as well here (results/README.md)
-        optimizer = Muon(model.parameters(), lr=max_lr, weight_decay=0.05, dtype=amp_dtype,
-                         steps=args.ns_steps)
+        parameters = list(model.parameters())
+        filters, others = [p for p in parameters if p.ndim == 4], [p for p in parameters if p.ndim != 4]
+        optimizer = Muon(filters, adamw(others, max_lr, device), dtype=amp_dtype, steps=args.ns_steps)
     else:
-        # opt1: AdamW scales each weight's step by its recent gradients, so one rate suits every layer untuned
-        # opt3: fused=True does AdamW's whole update in one pass over the weights (on a GPU, one kernel for many);
-        # the default makes a pass per operation (foreach on a GPU: each over all weights; on a CPU, weight by weight)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=max_lr, weight_decay=0.05, fused=True)
+        optimizer = adamw(model.parameters(), max_lr, device)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bfloat16 needs no scaling
     # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a
     # fixed rate; its length counts optimizer steps, not micro-batches
-    total_steps = args.epochs * (len(train_data[1]) // (args.batch_size * world_size) // args.accum_steps)
+    steps_per_epoch = len(train_data[1]) // (args.batch_size * world_size) // args.accum_steps
+    total_steps = args.epochs * steps_per_epoch
     if total_steps < 5:
         common.fail(f"{total_steps} optimizer steps in all are too few for OneCycleLR's warm-up (it needs 5); "
                     "use more --epochs or --train-size")
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=max_lr, total_steps=total_steps, pct_start=0.25)
     # What the functions above need besides their data, in one object (a setting is read as run.args.name)
     run = SimpleNamespace(
         args=args,
@@ -430,13 +538,32 @@ def train(args, rank, world_size, device):
         criterion=criterion,
         optimizer=optimizer,
         scaler=scaler,
-        scheduler=scheduler,
-        keep_gradients=keep_gradients,
         generator=generator,
         augment_generator=augment_generator,
         rank=rank,
         world_size=world_size,
+        train_data=train_data,
+        statistics=channel_statistics(device),
+        schedule=onecycle_schedule(max_lr, total_steps, device),
+        plan=empty_plan(steps_per_epoch, args, device),
+        micro_batch_loss=micro_batch_loss,
+        optimizer_step=optimizer_step,
     )
+    if args.compile:
+        # opt3: the whole step compiled, in the two halves that autograd's backward separates (Dynamo cannot trace
+        # into it): augmentation, forward and loss; then the update and its bookkeeping
+        # opt4: dynamic=False, as the model
+        run.micro_batch_loss = torch.compile(micro_batch_loss, mode=args.compile_mode, dynamic=False)
+        run.optimizer_step = torch.compile(optimizer_step, mode=args.compile_mode)
+    sizes = {image_size(epoch, args.epochs, args.min_size, full_size=train_data[0].shape[-1])
+             for epoch in range(1, args.epochs + 1)}
+    run.train_steps = {size: functools.partial(train_step, run, size) for size in sizes}
+    why_not = capture_problem(device, amp_dtype, world_size)
+    if why_not is None:
+        # opt3: on CUDA the whole step is captured once and replayed: one launch a step, however many kernels
+        # opt4: a graph for each image size: a graph replays the shapes it was captured with
+        run.train_steps = {size: cuda_graph(step) for size, step in run.train_steps.items()}
+    print("step: captured as a CUDA graph and replayed" if why_not is None else f"step: run as a function, {why_not}")
 
     # opt4: after each epoch but the last, a fixed random subset of the test set shows the curve at a small cost
     # (1,000 images: about 1 % of a 32x32 epoch's work; the first 1,000 of a set stored by class would be one class);
@@ -460,7 +587,7 @@ def train(args, rank, world_size, device):
     if rank != 0:
         return  # opt5: rank 0 alone writes the report, the weights and the trace
     harness.report(__file__, args, device, records, common.now(device) - start,
-                  extra={"final_lr": optimizer.param_groups[0]["lr"], "world_size": world_size})
+                  extra={"final_lr": float(optimizer.param_groups[0]["lr"]), "world_size": world_size})
     if args.save:
         torch.save(model.state_dict(), args.save)
 

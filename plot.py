@@ -292,7 +292,10 @@ def muon_update_flops(steps):
     model = common.ResNet10()
     for parameter in model.parameters():
         parameter.grad = torch.ones_like(parameter)
-    optimizer = opt4.Muon(model.parameters(), lr=1e-3, weight_decay=0.0, dtype=torch.float32, steps=steps)
+    parameters, cpu = list(model.parameters()), torch.device("cpu")
+    others = opt4.adamw([parameter for parameter in parameters if parameter.ndim != 4], 1e-3, cpu)
+    optimizer = opt4.Muon([parameter for parameter in parameters if parameter.ndim == 4], others, dtype=torch.float32,
+                          steps=steps)
     with FlopCounterMode(display=False) as counter:
         optimizer.step()
     return counter.get_total_flops()

@@ -1,6 +1,7 @@
 """Tests for the fast-cifar scripts. CPU only, tiny data, no network: `python -m pytest -q`."""
 import collections
 import contextlib
+import functools
 import hashlib
 import inspect
 import io
@@ -40,7 +41,7 @@ import plot
 ROOT = Path(__file__).resolve().parent
 SCRIPTS = {"baseline.py": baseline, "opt1.py": opt1, "opt2.py": opt2, "opt3.py": opt3}
 ALL_SCRIPTS = {**SCRIPTS, "opt4.py": opt4, "opt5.py": opt5}
-FUSED_ADAMW = ("opt3.py", "opt4.py", "opt5.py")  # opt3 onwards
+WHOLE_STEP = ("opt3.py", "opt4.py", "opt5.py")  # opt3 onwards: the training step as one function
 CPU = torch.device("cpu")
 # Point downloads at a closed local port, so "no network" fails at once on any machine.
 NO_NETWORK = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}
@@ -66,8 +67,28 @@ def call(function, **available):
     """
     args = SimpleNamespace(batch_size=available.get("batch_size"), accum_steps=available.get("accum_steps"))
     available["run"] = SimpleNamespace(args=args, **{"rank": 0, "world_size": 1, **available})
+    module = sys.modules[function.__module__]
+    if hasattr(module, "channel_statistics"):
+        available["run"].statistics = module.channel_statistics(available.get("device", CPU))
+    if hasattr(module, "train_step") and "train_data" in available:
+        assemble_the_step(module, available["run"], epochs=available.get("epoch", 1))
     names = inspect.signature(function).parameters
     return function(**{name: available[name] for name in names})
+
+
+def assemble_the_step(module, run, epochs):
+    """What main() adds to `run` for opt3's whole step (opt3 onwards), uncompiled and uncaptured: the plan's buffers
+    for run.train_data, a constant schedule (the optimizer's rate, beta1 0.9) for `epochs` epochs, and the step."""
+    run.criterion = getattr(run, "criterion", None) or nn.CrossEntropyLoss()
+    steps = len(run.train_data[1]) // (run.args.batch_size * run.world_size) // run.args.accum_steps
+    run.plan = module.empty_plan(steps, run.args, run.device)
+    rate = run.optimizer.param_groups[0]["lr"]  # a tensor from opt3 on: read without a host read
+    run.schedule = torch.stack([rate, torch.full_like(rate, 0.9)]).repeat(steps * epochs, 1)
+    run.micro_batch_loss, run.optimizer_step = module.micro_batch_loss, module.optimizer_step
+    if "size" in inspect.signature(module.train_step).parameters:  # opt4 onwards: a step per image size
+        run.train_steps = {size: functools.partial(module.train_step, run, size) for size in (8, 16, 24, 32)}
+    else:
+        run.train_step = functools.partial(module.train_step, run)
 
 
 def script_evaluate(module, model, dataset):
@@ -388,21 +409,33 @@ def test_a_failed_compile_is_named_by_its_innermost_cause(names, says, monkeypat
     assert says in harness.compile_failure(error)
 
 
-def test_a_compile_that_fails_here_says_why_in_one_line_and_the_run_goes_on_eager(tmp_path):
-    patches = """
-class TritonMissing(RuntimeError): pass
-def compile(*args, **kwargs):  # the first call, compile_problem's trial, fails as on Windows with a GPU
-    raise RuntimeError("backend='inductor' raised") from TritonMissing()
-torch.compile = compile
+def test_a_gpu_without_triton_is_told_why_it_runs_eager_in_one_line_before_the_data(tmp_path):
+    # As on Windows with a GPU: torch installs Triton with itself on Linux only
+    patches = VISIBLE_GPU.format(name="NVIDIA H100", capability=90, count=1) + """
+import torch.utils._triton
+torch.utils._triton.has_triton_package = lambda: False
 """
-    json_path = tmp_path / "result.json"
-    result = run_on_fake_machine(patches, "opt2.py", "--synthetic", *NO_DATA, "--batch-size", "8", "--device", "cpu",
-                                 "--json", json_path)
-    assert result.returncode == 0, result.stderr
+    result = run_on_fake_machine(patches, "opt2.py", *NO_DATA)
     assert result.stdout.splitlines()[0] == (
         "torch.compile cannot work here: no Triton for its GPU kernels (torch installs Triton with itself on Linux "
         "only); on Windows use WSL2, elsewhere pip install triton; running eager instead (as --no-compile)")
-    assert read_json(json_path)["settings"]["compile"] is False
+    assert "compile False" in result.stdout.splitlines()[1], "the settings line says it runs eager"
+    assert result.returncode == 2 and "CIFAR-10 is not in" in result.stderr  # the data, after the verdict
+
+
+@pytest.mark.parametrize("capability, c_compiler, says", [((6, 1), True, "compute capability 7.0 (V100)"),
+                                                          ((9, 0), False, "no C compiler for Triton's kernel launcher"),
+                                                          ((9, 0), True, None)])
+def test_inductors_needs_on_a_gpu_are_checked_without_compiling(capability, c_compiler, says, monkeypatch):
+    harness.compile_problem.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(sys.modules["torch.utils._triton"], "has_triton_package", lambda: True)
+    monkeypatch.setattr(harness.shutil, "which", lambda name: f"/usr/bin/{name}" if c_compiler else None)
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(torch, "compile", lambda *args, **kwargs: pytest.fail("a trial compile"))
+    problem = harness.compile_problem(torch.device("cuda", 0))
+    harness.compile_problem.cache_clear()
+    assert (problem is None) if says is None else (says in problem), problem
 
 
 @pytest.mark.floor
@@ -461,7 +494,7 @@ def test_a_non_finite_loss_stops_the_run_naming_epoch_and_step(script, capsys):
     model = NaNModel()
     images, labels = torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8), torch.zeros(8, dtype=torch.long)
     loader = DataLoader(TensorDataset(images.float(), labels), batch_size=4)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = shipped_optimizer(script, model)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     with pytest.raises(SystemExit) as exit_info:
         call(ALL_SCRIPTS[script].train_one_epoch, model=model, loader=loader, train_data=(images, labels),
@@ -472,7 +505,7 @@ def test_a_non_finite_loss_stops_the_run_naming_epoch_and_step(script, capsys):
              monitor=NO_MONITOR, size=32)
     assert exit_info.value.code == 1
     assert "loss is nan at epoch 3, step 1" in capsys.readouterr().err
-    if script not in FUSED_ADAMW:  # they read their losses once per epoch, after the steps
+    if script not in WHOLE_STEP:  # they read their losses once per epoch, after the steps
         assert model.weight.item() == 1.0, "the bad step must not reach the weights"
 
 
@@ -545,11 +578,11 @@ def test_accumulating_k_micro_batches_equals_one_big_batch(monkeypatch):
     assert not torch.allclose(one_step, big_batch, atol=1e-3), "the comparison must be able to fail"
 
 
-def onecycle_lr_after(total_steps, max_lr):
-    """The learning rate after total_steps steps of a OneCycleLR set up as opt2 sets it up."""
+def onecycle_lr_after(total_steps, max_lr, steps=None):
+    """The learning rate after `steps` (default: all total_steps) steps of a OneCycleLR set up as opt2 sets it up."""
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=max_lr)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=max_lr, total_steps=total_steps, pct_start=0.25)
-    for _ in range(total_steps):
+    for _ in range(total_steps if steps is None else steps):
         optimizer.step()
         scheduler.step()
     return optimizer.param_groups[0]["lr"]
@@ -568,9 +601,12 @@ def test_onecycle_length_counts_optimizer_steps(script, accum_steps, tmp_path):
     assert [epoch["images"] for epoch in report["epochs"]] == [10 // accum_steps * accum_steps * 16] * 2
     # The rate after the run tells how long the schedule was: counting micro-batches would leave it high.
     optimizer_steps = 2 * (10 // accum_steps)
-    assert report["final_lr"] == pytest.approx(onecycle_lr_after(optimizer_steps, report["settings"]["lr"]))
+    # opt2 reports the rate its scheduler left after the last step; opt3 onwards the rate the last step took
+    last = optimizer_steps - (script in WHOLE_STEP)
+    lr = report["settings"]["lr"]
+    assert report["final_lr"] == pytest.approx(onecycle_lr_after(optimizer_steps, lr, steps=last), rel=1e-6)
     if accum_steps > 1:
-        assert report["final_lr"] != pytest.approx(onecycle_lr_after(2 * 10, report["settings"]["lr"]))
+        assert report["final_lr"] != pytest.approx(onecycle_lr_after(2 * 10, lr, steps=last))
 
 
 # ---------------------------------------------------------------------------- timing and model
@@ -672,30 +708,58 @@ def test_profile_writes_a_trace(tmp_path):
 # -------------------------------------------------------------------- opt3's on-device data path
 
 @pytest.mark.parametrize("height, width", [(32, 32), (64, 48)])  # CIFAR-10's size, and a copy-paste's
-def test_opt3_augment_crops_a_translate_of_the_padded_image_and_flips_a_mirror(height, width):
+def test_opt3_augment_crops_the_padded_image_at_its_offsets_and_mirrors_where_told(height, width):
     images = torch.rand(32, 3, height, width)
     pad = common.CROP_PADDING
     padded = torch.nn.functional.pad(images, (pad, pad, pad, pad), mode="reflect")
-    augmented = opt3.augment(images, torch.Generator().manual_seed(0))
-    assert augmented.shape == images.shape
-    found = set()
-    shifts = range(2 * pad + 1)
-    for i in range(len(images)):
-        matches = [(top, left, flip) for top in shifts for left in shifts for flip in (False, True)
-                   if torch.equal(augmented[i], (lambda crop: crop.flip(2) if flip else crop)(
-                       padded[i, :, top:top + height, left:left + width]))]
-        assert matches, f"image {i} is not a crop of its padded image, plain or mirrored"
-        found.update(matches)
-    assert len(found) > 10 and {flip for _, _, flip in found} == {False, True}, "not random"
-
-
-def test_opt3_epoch_batches_show_every_image_once():
     generator = torch.Generator().manual_seed(0)
-    batches = opt3.epoch_batches(96, 16, generator, CPU)
-    assert batches.shape == (6, 16) and sorted(batches.flatten().tolist()) == list(range(96))
-    with_remainder = opt3.epoch_batches(100, 16, generator, CPU).flatten()
-    assert len(with_remainder) == 96 and len(set(with_remainder.tolist())) == 96  # 4 left over, none twice
-    assert not torch.equal(opt3.epoch_batches(96, 16, generator, CPU), batches), "a fresh order per epoch"
+    offsets = torch.randint(0, 2 * pad + 1, (2, 32, 1), generator=generator)
+    flips = torch.rand(32, 1, generator=generator) < 0.5
+    augmented = opt3.augment(images, offsets, flips)
+    assert augmented.shape == images.shape
+    for i, ((top,), (left,), (flip,)) in enumerate(zip(offsets[0].tolist(), offsets[1].tolist(), flips.tolist())):
+        crop = padded[i, :, top:top + height, left:left + width]
+        assert torch.equal(augmented[i], crop.flip(2) if flip else crop), f"image {i}"
+    assert len({(top, left) for top, left in zip(offsets[0].flatten().tolist(), offsets[1].flatten().tolist())}) > 10
+
+
+def drawn_plan(size=100, batch_size=16, epochs=2, accum_steps=1, seed=0):
+    """opt3's plan for a training set of `size` images, and the run it belongs to, before any epoch is drawn."""
+    args = SimpleNamespace(batch_size=batch_size, accum_steps=accum_steps)
+    steps = size // batch_size // accum_steps
+    run = SimpleNamespace(args=args, device=CPU, generator=torch.Generator().manual_seed(seed),
+                          plan=opt3.empty_plan(steps, args, CPU),
+                          schedule=opt3.onecycle_schedule(0.01, steps * epochs, CPU))
+    return run
+
+
+def test_opt3_each_epochs_plan_shows_every_image_once_with_fresh_crops_into_the_same_buffers():
+    run = drawn_plan(size=100, batch_size=16)
+    addresses = {name: tensor.data_ptr() for name, tensor in vars(run.plan).items()}
+    opt3.draw_epoch(run, 96, epoch=1)
+    first = {name: tensor.clone() for name, tensor in vars(run.plan).items()}
+    assert first["batches"].shape == (6, 16) and sorted(first["batches"].flatten().tolist()) == list(range(96))
+    offsets = first["offsets"].flatten().tolist()
+    assert set(offsets) == set(range(2 * common.CROP_PADDING + 1)) and 0 < first["flips"].float().mean() < 1
+    opt3.draw_epoch(run, 100, epoch=2)
+    second = run.plan.batches.flatten().tolist()
+    assert len(second) == 96 and len(set(second)) == 96 and max(second) < 100  # 4 left over, none twice
+    assert not torch.equal(run.plan.batches, first["batches"]) and not torch.equal(run.plan.offsets, first["offsets"])
+    assert torch.equal(run.plan.schedule, run.schedule[6:12]), "epoch 2's rows of the schedule"
+    assert {name: tensor.data_ptr() for name, tensor in vars(run.plan).items()} == addresses
+
+
+def test_opt3_schedule_table_is_onecycles_learning_rate_and_beta1_at_every_step():
+    table = opt3.onecycle_schedule(0.02, 40, CPU)
+    reference = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=0.02)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(reference, max_lr=0.02, total_steps=40, pct_start=0.25)
+    expected = []
+    for _ in range(40):
+        expected.append((reference.param_groups[0]["lr"], reference.param_groups[0]["betas"][0]))
+        reference.step()
+        scheduler.step()
+    assert table.shape == (40, 2) and torch.allclose(table, torch.tensor(expected, dtype=torch.float64).float())
+    assert table[:, 0].argmax() == 9 and table[0, 1] == pytest.approx(0.95) and table[9, 1] == pytest.approx(0.85)
 
 
 def test_opt3_flip_tta_equals_plain_evaluation_on_mirror_symmetric_images(monkeypatch):
@@ -708,7 +772,8 @@ def test_opt3_flip_tta_equals_plain_evaluation_on_mirror_symmetric_images(monkey
 
     def plain_loss(images):
         with torch.no_grad():
-            return torch.nn.functional.cross_entropy(model(opt3.normalize(images)), labels).item()
+            return torch.nn.functional.cross_entropy(model(opt3.normalize(images, opt3.channel_statistics(CPU))),
+                                                     labels).item()
 
     def tta_loss(images):
         loss, _ = call(opt3.evaluate, model=model, test_data=(images, labels), amp_dtype=torch.float32, batch_size=8,
@@ -744,7 +809,7 @@ IN_EFFECT = {
     "baseline.py": ((False, False), None, 0.0),
     "opt1.py": ((False, False), "AdamW", 0.0),
     "opt2.py": ((False, False), "AdamW", 0.1),
-    "opt3.py": ((True, True), "fused AdamW", 0.1),
+    "opt3.py": ((True, True), "AdamW, rate in a tensor", 0.1),
     "opt4.py": ((True, True), "Muon", 0.1),
     "opt5.py": ((True, True), "Muon", 0.1),
 }
@@ -760,7 +825,9 @@ def test_each_scripts_optimizations_are_in_effect(script, bfloat16_unit, monkeyp
     class AdamW(torch.optim.AdamW):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            created["optimizer"] = "fused AdamW" if self.defaults["fused"] else "AdamW"
+            # the first made: from opt3 on, OneCycleLR's table (onecycle_schedule) steps a stand-in of its own
+            kind = "AdamW, rate in a tensor" if torch.is_tensor(self.defaults["lr"]) else "AdamW"
+            created.setdefault("optimizer", kind)
 
     class Muon(getattr(ALL_SCRIPTS[script], "Muon", torch.optim.Optimizer)):
         def __init__(self, *args, **kwargs):
@@ -836,7 +903,7 @@ def test_bfloat16_only_on_a_cpu_that_runs_it_natively(cpu, monkeypatch):
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"cpu_name": "Test CPU", **capabilities})
     assert common.bfloat16_unit() == unit
     assert harness.cpu_name() == f"Test CPU ({unit or 'no bf16 unit'})"
-    for script in ("opt1.py", "opt2.py", *FUSED_ADAMW):
+    for script in ("opt1.py", "opt2.py", *WHOLE_STEP):
         chosen, why = ALL_SCRIPTS[script].autocast_dtype(CPU)
         assert chosen == dtype and why.startswith(str(dtype).removeprefix("torch."))
         assert (unit in why) if unit else ("no bfloat16 unit" in why)
@@ -846,19 +913,22 @@ def test_on_a_gpu_opt1_picks_float16_and_opt3_bfloat16_only_where_it_is_native(m
     gpu = torch.device("cuda", 0)
     # An Ampere or newer GPU: bfloat16 in hardware.
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
-    assert [ALL_SCRIPTS[script].autocast_dtype(gpu)[0] for script in ("opt1.py", "opt2.py", *FUSED_ADAMW)] \
+    assert [ALL_SCRIPTS[script].autocast_dtype(gpu)[0] for script in ("opt1.py", "opt2.py", *WHOLE_STEP)] \
         == [torch.float16, torch.float16, torch.bfloat16, torch.bfloat16, torch.bfloat16]
     # A T4 (sm_75): bfloat16 only emulated, which is_bf16_supported() counts unless told not to.
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
-    assert [ALL_SCRIPTS[script].autocast_dtype(gpu)[0] for script in FUSED_ADAMW] == [torch.float16] * 3
+    assert [ALL_SCRIPTS[script].autocast_dtype(gpu)[0] for script in WHOLE_STEP] == [torch.float16] * 3
 
 
-def test_opt2_loader_workers_default_to_none_on_the_cpu_and_four_with_a_gpu(monkeypatch):
-    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+def test_opt2_loader_workers_default_to_none_on_the_cpu_and_to_the_cores_it_may_use_but_one_with_a_gpu(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)  # the machine's cores: not what a container or Slurm allows
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     assert opt2.default_workers(CPU) == 0
-    assert opt2.default_workers(torch.device("cuda", 0)) == 4
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    assert opt2.default_workers(torch.device("cuda", 0)) == 2
+    assert opt2.default_workers(torch.device("cuda", 0)) == 15
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3}, raising=False)
+    assert opt2.default_workers(torch.device("cuda", 0)) == 1
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)  # macOS and Windows: the machine's count
+    assert opt2.default_workers(torch.device("cuda", 0)) == 63
     monkeypatch.setattr(sys, "argv", ["opt2.py"])
     assert opt2.parse_args().workers is None, "None: main() picks by device"
 
@@ -887,14 +957,18 @@ def train_float16_epoch(script, model, optimizer, scaler, images=64):
                 rank=0, world_size=1, device=CPU, epoch=1, monitor=NO_MONITOR, size=32)
 
 
-def shipped_optimizer(script, model):
-    """The optimizer as `script` builds it: AdamW, from opt3 on fused, so GradScaler leaves unscaling and inf checks to
-    the kernel; opt4 and opt5 Muon for the filters, its Newton-Schulz matmuls in float16 as on a GPU without
-    bfloat16."""
-    if hasattr(ALL_SCRIPTS[script], "Muon"):
-        return ALL_SCRIPTS[script].Muon(model.parameters(), lr=1e-2, weight_decay=0.05, dtype=torch.float16,
-                                        steps=3)
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, fused=script in FUSED_ADAMW)
+def shipped_optimizer(script, model, lr=1e-2, dtype=torch.float16, device=CPU):
+    """The optimizer as `script` builds it: AdamW, from opt3 on with its rate and betas in tensors; opt4 and opt5 Muon
+    for the filters (with that AdamW for the rest), its Newton-Schulz matmuls in `dtype` (float16: as on a GPU
+    without bfloat16)."""
+    module = ALL_SCRIPTS[script]
+    if hasattr(module, "Muon") and any(p.ndim == 4 for p in model.parameters()):
+        parameters = list(model.parameters())
+        others = module.adamw([p for p in parameters if p.ndim != 4], lr, device)
+        return module.Muon([p for p in parameters if p.ndim == 4], others, dtype=dtype, steps=3)
+    if hasattr(module, "adamw"):
+        return module.adamw(model.parameters(), lr, device)
+    return torch.optim.AdamW(model.parameters(), lr=lr)
 
 
 @pytest.mark.parametrize("script", ["opt1.py", "opt2.py", "opt3.py", "opt4.py", "opt5.py"])
@@ -924,13 +998,79 @@ def test_a_float16_step_with_infinite_gradients_is_skipped(script):
     assert scaler.get_scale() == 2.0**98, "each skipped step halves the scale"
 
 
+def step_of(script, model, dataset, device, compiled=False):
+    """`script`'s run, assembled as its main() does (float32, batches of 32, 2 epochs, seed 0), and its training step at
+    32x32: the step main() would capture on a GPU, here compiled in main()'s two halves or not at all."""
+    module = ALL_SCRIPTS[script]
+    run = SimpleNamespace(args=SimpleNamespace(batch_size=32, accum_steps=1), rank=0, world_size=1, device=device,
+                          model=model, optimizer=shipped_optimizer(script, model, dtype=torch.float32, device=device),
+                          scaler=torch.amp.GradScaler(device.type, enabled=False), amp_dtype=torch.float32,
+                          generator=torch.Generator(device).manual_seed(0),
+                          augment_generator=torch.Generator(device).manual_seed(0),
+                          train_data=opt3.load_to_device(dataset, device), statistics=opt3.channel_statistics(device))
+    assemble_the_step(module, run, epochs=2)
+    if compiled:
+        run.micro_batch_loss = torch.compile(module.micro_batch_loss, dynamic=False)
+        run.optimizer_step = torch.compile(module.optimizer_step)
+    return run, run.train_steps[32] if hasattr(run, "train_steps") else run.train_step  # opt4 on: a step per size
+
+
+def tensors_of_the_step(run):
+    """Every tensor the step reads or writes, by name: data, plan, weights, buffers, the optimizer's state and rates."""
+    tensors = {"images": run.train_data[0], "labels": run.train_data[1], "statistics": run.statistics,
+               **{f"plan.{name}": tensor for name, tensor in vars(run.plan).items()},
+               **{f"model.{name}": tensor for name, tensor in run.model.state_dict(keep_vars=True).items()}}
+    for index, group in enumerate(run.optimizer.param_groups):
+        tensors.update({f"group{index}.lr": group["lr"], f"group{index}.beta1": group["betas"][0]})
+    for index, state in enumerate(run.optimizer.state.values()):
+        tensors.update({f"state{index}.{name}": value for name, value in state.items() if torch.is_tensor(value)})
+    return tensors
+
+
+@pytest.mark.parametrize("script", WHOLE_STEP)
+def test_every_tensor_the_step_touches_keeps_its_address_across_steps_and_epochs(script):
+    # What a CUDA graph replays is addresses: a tensor the step reads from or writes to anew would be missed.
+    run, step = step_of(script, small_net(), common.synthetic_cifar10(128, train=True, transform=None), CPU)
+    ALL_SCRIPTS[script].draw_epoch(run, 128, 1)
+    step()  # the optimizer's state is made in the first step: on a GPU, before the capture
+    addresses = {name: tensor.data_ptr() for name, tensor in tensors_of_the_step(run).items()}
+    for epoch in (1, 2):
+        ALL_SCRIPTS[script].draw_epoch(run, 128, epoch)
+        for _ in range(len(run.plan.schedule)):
+            step()
+            assert {name: tensor.data_ptr() for name, tensor in tensors_of_the_step(run).items()} == addresses
+    assert run.plan.step.item() == len(run.plan.schedule) and len(addresses) > 20
+
+
+@pytest.mark.parametrize("script", WHOLE_STEP)
+def test_the_compiled_step_computes_what_the_step_run_eagerly_does_in_float32(script, monkeypatch):
+    monkeypatch.setattr(torch, "autocast", lambda *args, **kwargs: contextlib.nullcontext())  # float32
+    dataset = common.synthetic_cifar10(128, train=True, transform=None)
+
+    def after_two_epochs(compiled):
+        run, step = step_of(script, small_net(), dataset, CPU, compiled=compiled)
+        for epoch in (1, 2):
+            ALL_SCRIPTS[script].draw_epoch(run, 128, epoch)
+            for _ in range(len(run.plan.schedule)):
+                step()
+        return torch.nn.utils.parameters_to_vector(run.model.parameters()).detach(), run.plan.losses
+
+    (compiled, compiled_losses), (eager, eager_losses) = after_two_epochs(True), after_two_epochs(False)
+    moved = (eager - torch.nn.utils.parameters_to_vector(small_net().parameters())).norm()
+    # 8 steps apart by rounding only (the compiled kernels sum in another order): Adam's step is about the rate for
+    # any gradient not near 0, so a gradient within rounding of 0 can step either way; bounded by 1 % of the distance
+    print(f"{script}: compiled and eager weights {(compiled - eager).norm() / moved:.2e} of the distance moved apart")
+    assert (compiled - eager).norm() <= 0.01 * moved and moved > 0.1
+    assert torch.allclose(compiled_losses, eager_losses, rtol=1e-4)
+
+
 # ------------------------------------------------------------ opt3: compiled once, no host sync
 
 def compiled_run(script, flags, folder):
     """`script`'s main() compiled, in this process; returns the dynamo counters and the line printed after each
-    epoch, and the report."""
+    epoch, and the report. From epoch 2 on a recompile is an error (torch._dynamo.config.error_on_recompile), so a
+    value baked into a graph (a learning rate, a step count) fails the run."""
     from torch._dynamo.utils import counters
-    harness.compile_problem(CPU)  # main()'s trial compile, done once per process: not counted among the script's graphs
     torch._dynamo.reset()
     counters.clear()
     after_each_epoch, real_record_epoch = [], harness.record_epoch
@@ -941,9 +1081,12 @@ def compiled_run(script, flags, folder):
             real_record_epoch(*args, **kwargs)
         after_each_epoch.append({"graphs": counters["stats"]["unique_graphs"],
                                  "graph_breaks": sum(counters["graph_break"].values()), "line": printed.getvalue()})
+        # warm from here on (opt4 compiles again at each new image size; its test counts the graphs instead)
+        torch._dynamo.config.error_on_recompile = script == "opt3.py"
 
     json_path = folder / "result.json"
     with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch._dynamo.config, "error_on_recompile", False)
         patch.setattr(harness, "record_epoch", record_epoch)
         # 40 test images in batches of 16: the evaluation ends on a partial batch.
         patch.setattr(sys, "argv", [script, *SMALL, "--train-size", "96", "--batch-size", "16", "--test-size", "40",
@@ -954,16 +1097,65 @@ def compiled_run(script, flags, folder):
 
 @pytest.fixture(scope="module")
 def compiled_opt3_run(tmp_path_factory):
-    return compiled_run("opt3.py", ["--epochs", "3"], tmp_path_factory.mktemp("opt3"))
+    folder = tmp_path_factory.mktemp("opt3")
+    return (*compiled_run("opt3.py", ["--epochs", "3", "--profile", str(folder / "trace")], folder), folder / "trace")
 
 
-def test_opt3_compiles_without_graph_breaks_and_never_recompiles(compiled_opt3_run):
-    after_each_epoch, report = compiled_opt3_run
+# opt3's compiled graphs: the step's first half (augmentation, forward, loss), its second (the schedule's writes, the
+# update, the bookkeeping) in three, as torch.optim cuts its step() off with two graph breaks of its own (so that it
+# compiles as an inference graph), and the evaluation's forward
+OPT3_GRAPHS, OPTIMIZER_GRAPH_BREAKS = 5, 2
+
+
+def test_opt3_compiles_its_step_and_evaluation_once_and_never_recompiles(compiled_opt3_run):
+    after_each_epoch, report, _ = compiled_opt3_run
     assert report["settings"]["compile"] and len(after_each_epoch) == 3
-    assert [epoch["graph_breaks"] for epoch in after_each_epoch] == [0, 0, 0]
-    # Training and evaluation compile in epoch 1, the partial last test batch padded to the same shape; later epochs
-    # reuse them.
-    assert [epoch["graphs"] for epoch in after_each_epoch] == [2, 2, 2]
+    # error_on_recompile from epoch 2 on, while the learning rate and beta1 change at every step: the run ended
+    assert [epoch["graph_breaks"] for epoch in after_each_epoch] == [OPTIMIZER_GRAPH_BREAKS] * 3
+    # The partial last test batch is padded to the same shape; later epochs reuse every graph of epoch 1
+    assert [epoch["graphs"] for epoch in after_each_epoch] == [OPT3_GRAPHS] * 3
+
+
+def eager_ops_per_step(trace_folder):
+    """Kernel-launching ops a traced training step runs outside compiled code, from a --profile trace (the rule of
+    ../shared/gpu/eager_ops.py): within each ProfilerStep, the outermost aten ops on each thread that no compiled
+    graph's call encloses, counted where they or an op inside them launch a kernel (not a view or metadata)."""
+    metadata = {"detach", "detach_", "view", "reshape", "_reshape_alias", "t", "numpy_T", "transpose", "permute",
+                "expand", "expand_as", "as_strided", "unsqueeze", "squeeze", "select", "slice", "alias",
+                "_unsafe_view", "empty", "empty_like", "empty_strided", "lift_fresh", "resolve_conj", "resolve_neg",
+                "split", "split_with_sizes", "unbind", "chunk", "flatten", "contiguous", "to", "type_as",
+                "result_type", "is_nonzero", "size", "stride", "dim", "view_as", "unflatten", "narrow", "diagonal",
+                "set_", "_has_compatible_shallow_copy_type"}
+    trace = sorted(Path(trace_folder).rglob("*.json"))[-1]
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+
+    def within(inner, outer):
+        return inner["tid"] == outer["tid"] and outer["ts"] <= inner["ts"] <= inner["ts"] + inner["dur"] <= \
+            outer["ts"] + outer["dur"]
+    steps = [e for e in events if e["name"].startswith("ProfilerStep#")]
+    compiled = [e for e in events if e["name"].startswith("## Call CompiledFxGraph") or "CUDAGraph" in e["name"]
+                or "cudaGraphLaunch" in e["name"]]
+    ops = sorted((e for e in events if e.get("cat") == "cpu_op" and e["name"].startswith("aten::")
+                  and any(within(e, s) for s in steps) and not any(within(e, c) for c in compiled)),
+                 key=lambda e: (e["tid"], e["ts"], -e["dur"]))
+    outer, nested = [], collections.defaultdict(list)
+    for e in ops:
+        if outer and within(e, outer[-1]):
+            nested[id(outer[-1])].append(e)
+        else:
+            outer.append(e)
+    launches = lambda e: e["name"][len("aten::"):] not in metadata  # noqa: E731
+    counted = [e["name"] for e in outer if launches(e) or any(launches(n) for n in nested[id(e)])]
+    return len(counted) / len(steps), collections.Counter(counted)
+
+
+def test_opt3_step_launches_at_most_4_ops_outside_compiled_code(compiled_opt3_run):
+    per_step, names = eager_ops_per_step(compiled_opt3_run[2])
+    print(f"opt3, torch {torch.__version__}: {per_step:.1f} kernel-launching ops a step outside compiled code: {names}")
+    if harness.torch_version() < (2, 7):
+        pytest.skip(f"reported, not asserted, on torch {torch.__version__}: {per_step:.1f} a step")
+    # backward's seed of the loss gradient (ones_like), and whatever autograd's engine adds between the halves
+    assert per_step <= 4, names
 
 
 @pytest.mark.parametrize("script", ["opt1.py", "opt2.py"])
@@ -992,12 +1184,18 @@ class CountHostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def host_reads_in_one_epoch(script, images):
+def host_reads_in_one_epoch(script, images, monkeypatch):
     """The host reads of one `script` train_one_epoch over `images` synthetic images, in batches of 8."""
+    if script in WHOLE_STEP:  # capturable on the CPU: torch checks the device in eager mode only
+        monkeypatch.setattr(sys.modules["torch.optim.adam"], "_get_capturable_supported_devices", lambda **_: ["cpu"])
     torch.manual_seed(0)
     model = common.ResNet10().to(memory_format=torch.channels_last)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=script in FUSED_ADAMW)
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-3, total_steps=100)
+    optimizer = shipped_optimizer(script, model, lr=1e-3, dtype=CPU_AMP_DTYPE)
+    if script in WHOLE_STEP:  # AdamW as adamw() makes it for a GPU: capturable, no per-weight read of its step count
+        for group in optimizer.param_groups:
+            group["capturable"] = True
+    # opt3 onwards read their schedule off a table on the device (assemble_the_step's)
+    scheduler = None if script in WHOLE_STEP else torch.optim.lr_scheduler.OneCycleLR(optimizer, 1e-3, total_steps=100)
     dataset = common.synthetic_cifar10(images, train=True, transform=None)
     loader = DataLoader(as_tensor_dataset(dataset), batch_size=8)
     with CountHostReads() as counter:
@@ -1016,13 +1214,16 @@ def as_tensor_dataset(dataset):
                          torch.as_tensor(dataset.targets))
 
 
-def test_the_host_read_counter_catches_baselines_reads_per_step():
-    assert len(host_reads_in_one_epoch("baseline.py", 32)) > len(host_reads_in_one_epoch("baseline.py", 16)) >= 2
+def test_the_host_read_counter_catches_baselines_reads_per_step(monkeypatch):
+    many = host_reads_in_one_epoch("baseline.py", 32, monkeypatch)
+    few = host_reads_in_one_epoch("baseline.py", 16, monkeypatch)
+    assert len(many) > len(few) >= 2
 
 
 @pytest.mark.parametrize("script, end_of_epoch_reads", [("opt3.py", 3), ("opt4.py", 3), ("opt5.py", 2)])
-def test_opt3_reads_from_the_device_once_per_epoch_not_per_step(script, end_of_epoch_reads):
-    two_steps, four_steps = host_reads_in_one_epoch(script, 16), host_reads_in_one_epoch(script, 32)
+def test_opt3_reads_from_the_device_once_per_epoch_not_per_step(script, end_of_epoch_reads, monkeypatch):
+    two_steps = host_reads_in_one_epoch(script, 16, monkeypatch)
+    four_steps = host_reads_in_one_epoch(script, 32, monkeypatch)
     assert len(two_steps) == len(four_steps) == end_of_epoch_reads, (two_steps, four_steps)
 
 
@@ -1036,11 +1237,11 @@ def bn_free_net():
 @pytest.mark.parametrize("script", ["opt3.py", "opt5.py"])
 def test_opt3_accumulating_k_micro_batches_equals_one_big_batch(script, monkeypatch):
     monkeypatch.setattr(torch, "autocast", lambda *args, **kwargs: contextlib.nullcontext())  # float32
-    monkeypatch.setattr(ALL_SCRIPTS[script], "augment", lambda images, generator: images)  # crops differ per batch
+    monkeypatch.setattr(ALL_SCRIPTS[script], "augment", lambda images, offsets, flips: images)  # crops differ per batch
 
     def weights_after_one_epoch(batch_size, accum_steps):
         model = bn_free_net()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        optimizer = shipped_optimizer(script, model, lr=1e-2)
         dataset = common.synthetic_cifar10(24, train=True, transform=None)
         _, _, steps, images = call(
             ALL_SCRIPTS[script].train_one_epoch, model=model, train_data=opt3.load_to_device(dataset, CPU),
@@ -1054,7 +1255,7 @@ def test_opt3_accumulating_k_micro_batches_equals_one_big_batch(script, monkeypa
     big_batch, steps, _ = weights_after_one_epoch(12, 1)
     accumulated, accumulated_steps, images = weights_after_one_epoch(4, 3)
     assert (steps, accumulated_steps, images) == (2, 2, 24)
-    assert torch.allclose(accumulated, big_batch, atol=1e-6)
+    assert torch.allclose(accumulated, big_batch, atol=1e-5)
     one_step, _, _ = weights_after_one_epoch(24, 1)
     assert not torch.allclose(one_step, big_batch, atol=1e-3), "the comparison must be able to fail"
 
@@ -1138,7 +1339,7 @@ def test_opt4_muon_steps_a_filter_as_torch_optim_muon_steps_its_matrix_and_the_r
     # A 3x3 filter, channels_last as in the scripts; torch's Muon takes its 16 x 72 matrix (2-D weights only).
     ours = [nn.Parameter(filter_.contiguous(memory_format=torch.channels_last)), nn.Parameter(shift.clone())]
     theirs = [nn.Parameter(filter_.flatten(1).clone()), nn.Parameter(shift.clone())]
-    muon = opt4.Muon(ours, lr=0.01, weight_decay=0.05, dtype=torch.bfloat16, steps=ns_steps)
+    muon = opt4.Muon(ours[:1], opt4.adamw(ours[1:], 0.01, CPU), dtype=torch.bfloat16, steps=ns_steps)
     # The same coefficients (torch's defaults, in bfloat16) and steps, Nesterov momentum 0.9 (ours: betas[0]), and
     # the update scaled to AdamW's size (Moonlight's 0.2 sqrt(max(rows, columns))); AdamW's settings for the rest
     references = [torch.optim.Muon(theirs[:1], lr=0.01, weight_decay=0.05, momentum=0.9, nesterov=True,
@@ -1153,8 +1354,56 @@ def test_opt4_muon_steps_a_filter_as_torch_optim_muon_steps_its_matrix_and_the_r
             reference.step()
     moved = (theirs[0] - filter_.flatten(1)).abs().mean()  # what 3 steps moved each weight, on average
     assert moved > 1e-3
-    torch.testing.assert_close(ours[0].detach().flatten(1), theirs[0].detach(), rtol=0, atol=moved.item() * 2**-8)
+    # Both orthogonalize in bfloat16, from momenta that differ in float32's last bits (our beta1 is a float32 tensor,
+    # torch's 0.9 a double): an entry can round to the next bfloat16 value, 2^-8 of it, at each of the 3 steps
+    step_size = 0.01 * 0.2 * 72 ** 0.5  # the rate scaled to AdamW's size: an orthogonalized entry is at most ~1
+    torch.testing.assert_close(ours[0].detach().flatten(1), theirs[0].detach(), rtol=0, atol=3 * step_size * 2**-8)
     torch.testing.assert_close(ours[1].detach(), theirs[1].detach())
+
+
+class PerFilterMuon(torch.optim.Optimizer):
+    """opt4's Muon as it was before its update became foreach ops on device-tensor rates (commit 410ebec), for filters
+    only: a Python loop over the filters, floats for the rate and momentum."""
+
+    def __init__(self, filters, lr, weight_decay, dtype, steps):
+        super().__init__(filters, {"lr": lr, "weight_decay": weight_decay, "betas": (0.9, 0.999)})
+        self.dtype, self.steps = dtype, steps
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            lr, (beta1, _) = group["lr"], group["betas"]
+            for parameter in group["params"]:
+                state = self.state[parameter]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(parameter)
+                parameter.mul_(1 - lr * group["weight_decay"])
+                momentum = state["exp_avg"].lerp_(parameter.grad, 1 - beta1)
+                update = parameter.grad.lerp(momentum, beta1).flatten(1)
+                scale = 0.2 * max(update.shape) ** 0.5
+                update = opt4.orthogonalize(update, self.steps, self.dtype).reshape(parameter.shape)
+                parameter.add_(update, alpha=-lr * scale)
+
+
+@pytest.mark.parametrize("ns_steps", [3, 5])
+def test_opt4_muon_in_float32_steps_the_filters_as_its_per_filter_loop_did(ns_steps):
+    model = small_net()
+    conv = nn.Conv2d(16, 32, 3, bias=False).to(memory_format=torch.channels_last)  # a second filter shape
+    filters = [model[0].weight, conv.weight]
+    reference = [nn.Parameter(filter_.detach().clone()) for filter_ in filters]
+    muon = opt4.Muon(filters, opt4.adamw(list(model[1:].parameters()), 0.01, CPU), dtype=torch.float32, steps=ns_steps)
+    per_filter = PerFilterMuon(reference, lr=0.01, weight_decay=0.05, dtype=torch.float32, steps=ns_steps)
+    torch.manual_seed(1)
+    for _ in range(3):
+        for ours, theirs in zip(filters, reference):
+            ours.grad = torch.randn_like(ours)
+            theirs.grad = ours.grad.clone()
+        muon.step()
+        per_filter.step()
+    assert not torch.equal(filters[0], small_net()[0].weight), "the filters moved"
+    for ours, theirs in zip(filters, reference):
+        # float32 throughout: apart only by the rounding of a float32 beta1 and of foreach's order of operations
+        torch.testing.assert_close(ours.detach(), theirs.detach(), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("shape", [(64, 27), (27, 64), (128, 1152)])  # the stem, its transpose, a layer-2 filter
@@ -1181,23 +1430,28 @@ def test_opt4_orthogonalize_leaves_the_singular_values_under_its_threshold_below
     assert [length > 0.68 for length in result.norm(dim=0)[:3].tolist()] == reached, result.norm(dim=0)
 
 
-def test_opt4_muon_is_one_optimizer_for_onecycle_and_zero_grad():
+def test_opt4_muon_is_one_optimizer_whose_every_group_takes_the_schedule_and_drops_its_gradients():
     model = small_net()
-    muon = opt4.Muon(model.parameters(), lr=0.01, weight_decay=0.05, dtype=torch.float32, steps=3)
-    filters = [parameter for parameter in model.parameters() if parameter.ndim == 4]
-    assert [group["muon"] for group in muon.param_groups] == [True, False]
+    parameters = list(model.parameters())
+    filters = [parameter for parameter in parameters if parameter.ndim == 4]
+    muon = opt4.Muon(filters, opt4.adamw([p for p in parameters if p.ndim != 4], 0.01, CPU), dtype=torch.float32,
+                     steps=3)
     assert muon.param_groups[0]["params"] == filters and len(filters) == 1
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(muon, max_lr=0.01, total_steps=8, pct_start=0.25)
-    for _ in range(2):
-        for parameter in model.parameters():
+    assert sum(len(group["params"]) for group in muon.param_groups) == len(parameters)
+    args = SimpleNamespace(batch_size=8, accum_steps=1)
+    run = SimpleNamespace(optimizer=muon, scaler=torch.amp.GradScaler("cpu", enabled=False),
+                          plan=opt4.empty_plan(2, args, CPU), world_size=1)
+    run.plan.schedule.copy_(torch.tensor([[0.004, 0.85], [0.002, 0.9]]))
+    before = [parameter.detach().clone() for parameter in parameters]
+    for step in range(2):
+        for parameter in parameters:
             parameter.grad = torch.ones_like(parameter)
-        muon.step()
-        scheduler.step()
-    # OneCycleLR sets both groups' rate and momentum (betas[0]): Muon's momentum cycles as AdamW's does
-    assert len({group["lr"] for group in muon.param_groups}) == 1 and muon.param_groups[0]["lr"] != 0.01 / 25
-    assert len({group["betas"] for group in muon.param_groups}) == 1 and muon.param_groups[0]["betas"][0] < 0.95
-    muon.zero_grad(set_to_none=False)
-    assert all(not parameter.grad.any() for parameter in model.parameters())
+        opt4.optimizer_step(run)
+        # each group, Muon's and AdamW's, stepped at this step's rate and beta1, and every gradient is dropped
+        rows = {(group["lr"].item(), group["betas"][0].item()) for group in muon.param_groups}
+        assert rows == {tuple(run.plan.schedule[step].tolist())} and run.plan.step.item() == step + 1
+        assert all(parameter.grad is None for parameter in parameters)
+    assert all(not torch.equal(parameter, old) for parameter, old in zip(parameters, before)), "every weight moved"
 
 
 @pytest.mark.floor
@@ -1217,21 +1471,35 @@ def compiled_opt4_run(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         # Past torch's recompile_limit, dynamo would run the frame eager with a warning: make it an error here.
         patch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
-        return compiled_run("opt4.py", ["--epochs", "7", "--min-size", "8"], tmp_path_factory.mktemp("opt4"))
+        folder = tmp_path_factory.mktemp("opt4")
+        flags = ["--epochs", "7", "--min-size", "8", "--profile", str(folder / "trace")]
+        return (*compiled_run("opt4.py", flags, folder), folder / "trace")
 
 
 def test_opt4_compiles_two_graphs_per_image_size_and_stays_under_the_recompile_limit(compiled_opt4_run):
-    after_each_epoch, report = compiled_opt4_run
+    after_each_epoch, report, _ = compiled_opt4_run
     assert [epoch["image_size"] for epoch in report["epochs"]] == [8, 8, 16, 16, 24, 24, 32]
-    assert [epoch["graph_breaks"] for epoch in after_each_epoch] == [0] * 7
-    # Training and evaluation at each new size, the partial last test batch padded to the same shape; a second epoch
-    # at a size reuses both. 40 test images in batches of 16: without the padding, 3 graphs per size and 9 by the end.
+    assert len({epoch["graph_breaks"] for epoch in after_each_epoch}) == 1, "only the optimizer's, in epoch 1"
+    # The step's first half and the evaluation at each new size, the partial last test batch padded to the same shape;
+    # a second epoch at a size reuses both, and the update compiles once for all sizes. 40 test images in batches of
+    # 16: without the padding, 3 graphs per size.
     graphs = [epoch["graphs"] for epoch in after_each_epoch]
-    assert graphs == [2, 2, 4, 4, 6, 6, 8], graphs
-    assert graphs[-1] <= torch._dynamo.config.recompile_limit
+    assert [count - graphs[0] for count in graphs] == [0, 0, 2, 2, 4, 4, 6], graphs
+    assert graphs[-1] - graphs[0] + 2 <= torch._dynamo.config.recompile_limit
     # Each epoch that compiled says so, not only the first.
     warm_up = ["(includes compile/warm-up)" in epoch["line"] for epoch in after_each_epoch]
     assert warm_up == [True, False, True, False, True, False, True], warm_up
+
+
+def test_opt4_with_muon_launches_at_most_4_ops_a_step_more_than_opt3_outside_compiled_code(compiled_opt4_run,
+                                                                                             compiled_opt3_run):
+    (muon, names), (opt3_ops, _) = eager_ops_per_step(compiled_opt4_run[2]), eager_ops_per_step(compiled_opt3_run[2])
+    print(f"opt4 (Muon), torch {torch.__version__}: {muon:.1f} kernel-launching ops a step outside compiled code "
+          f"(opt3: {opt3_ops:.1f}): {names}")
+    assert compiled_opt4_run[1]["settings"]["optimizer"] == "muon"
+    if harness.torch_version() < (2, 7):
+        pytest.skip(f"reported, not asserted, on torch {torch.__version__}: {muon:.1f} a step")
+    assert muon <= opt3_ops + 4, names
 
 
 # ------------------------------------------------------------------------------------ benchmark
@@ -1319,23 +1587,22 @@ def test_ablation_whitening_stem_is_frozen_and_made_from_the_training_images(mon
                                     None, None)
     train_images, _ = opt4.load_to_device(train_set, CPU)
     model = common.ResNet10()
-    expected = ablation.whitening_weights(opt4.normalize(train_images[:64]))
+    expected = ablation.whitening_weights(opt4.normalize(train_images[:64], opt4.channel_statistics(CPU)))
     assert torch.equal(model.stem[0].weight[:54], expected) and not model.stem[0].weight.requires_grad
 
 
 def test_ablation_alternating_flip_mirrors_each_image_every_other_epoch(monkeypatch):
-    seen = {}
-    monkeypatch.setattr(opt4, "train_one_epoch", lambda run, data, epoch, monitor, size: seen.update({epoch: data[0]}))
     ablation.alternating_flip(monkeypatch.setattr)
-    images = torch.arange(32.0).expand(100, 3, 32, 32)  # every row counts up from the left
-    run = SimpleNamespace(device=CPU, args=SimpleNamespace(seed=0))
+    run = drawn_plan(size=96, batch_size=16, epochs=3)
+    run.args.seed = 0
+    flips = {}
     for epoch in (1, 2, 3):
-        opt4.train_one_epoch(run, (images, torch.zeros(100)), epoch, NO_MONITOR, 32)
-    mirrored = seen[1][:, 0, 0, 0] == 31
-    assert 30 < mirrored.sum() < 70, "epoch 1: a coin per image"
-    assert torch.equal(seen[2], seen[1].flip(3)) and torch.equal(seen[3], seen[1])
-    crops = opt4.augment(images, torch.Generator().manual_seed(0))  # the random crop stays, its flip goes
-    assert (crops[..., 1:] - crops[..., :-1]).ge(0).sum() > 0.9 * crops[..., 1:].numel()
+        opt4.draw_epoch(run, 96, epoch)
+        by_image = torch.zeros(96, dtype=torch.bool)
+        by_image[run.plan.batches.flatten()] = run.plan.flips.flatten()
+        flips[epoch] = by_image
+    assert 30 < flips[1].sum() < 66, "epoch 1: a coin per image"
+    assert torch.equal(flips[2], ~flips[1]) and torch.equal(flips[3], flips[1])
 
 
 def test_ablation_ema_averages_the_weights_and_batchnorm_statistics_after_every_step(monkeypatch):
@@ -1363,10 +1630,17 @@ def test_ablation_ema_averages_the_weights_and_batchnorm_statistics_after_every_
 
 def test_ablation_nesterov_row_builds_sgd_where_opt4_builds_adamw(monkeypatch):
     ablation.nesterov_sgd(monkeypatch.setattr)
-    optimizer = torch.optim.AdamW([nn.Parameter(torch.zeros(2))], lr=0.2, weight_decay=0.05, fused=False)
-    assert isinstance(optimizer, torch.optim.SGD)
-    assert optimizer.defaults | {"lr": 0.2, "momentum": 0.9, "nesterov": True, "weight_decay": 5e-4} == \
-        optimizer.defaults
+    optimizer = opt4.adamw([nn.Parameter(torch.zeros(2))], 0.2, CPU)
+    assert isinstance(optimizer, torch.optim.SGD) and optimizer.defaults["lr"].item() == pytest.approx(0.2)
+    settings = {name: optimizer.defaults[name] for name in ("momentum", "nesterov", "weight_decay")}
+    assert settings == {"momentum": 0.9, "nesterov": True, "weight_decay": 5e-4}
+    args = SimpleNamespace(batch_size=8, accum_steps=1)
+    run = SimpleNamespace(optimizer=optimizer, scaler=torch.amp.GradScaler("cpu", enabled=False),
+                          plan=opt4.empty_plan(1, args, CPU))
+    run.plan.schedule.copy_(torch.tensor([[0.1, 0.85]]))
+    optimizer.param_groups[0]["params"][0].grad = torch.ones(2)
+    opt4.optimizer_step(run)  # opt4's own update step takes it, at the table's rate
+    assert optimizer.param_groups[0]["lr"].item() == pytest.approx(0.1)
 
 
 def test_ablation_shifts_move_the_image_one_pixel_and_reflect_the_edge():
@@ -1949,31 +2223,12 @@ def test_under_torchrun_only_rank_0_prints_a_verdict_and_a_fatal_one_ends_every_
         assert exit_.value.code == 2 and "--device cuda: torch sees no CUDA GPU" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("version, flag, mode, says", [
-    ("2.7.1+cu126", None, "default", "compile mode default, not reduce-overhead: torch 2.7.1+cu126's DDP makes CUDA "
-                                     "graphs re-record at every step (fixed in torch 2.8)"),
-    ("2.7.1+cu126", "reduce-overhead", "reduce-overhead", "warning: --compile-mode reduce-overhead may be slower than "
-                                                          "default here"),
-    ("2.6.0a0+ecf3bae40a.nv25.01", "max-autotune", "max-autotune", "warning: --compile-mode max-autotune"),
-    ("2.7.1+cu126", "max-autotune-no-cudagraphs", "max-autotune-no-cudagraphs", None),
-    ("2.8.0+cu128", None, None, None),
-])
-def test_opt5_compiles_in_default_mode_under_ddp_on_a_torch_whose_ddp_makes_cuda_graphs_re_record(
-        version, flag, mode, says, monkeypatch, capsys):
-    monkeypatch.setattr(torch, "__version__", version)
-    monkeypatch.delenv("RANK", raising=False)
-    args = SimpleNamespace(compile=True, compile_mode=flag)
-    harness.check_ddp_cuda_graphs(args, torch.device("cuda", 0), world_size=2)
-    printed = capsys.readouterr().out
-    assert args.compile_mode == mode and (says in printed if says else printed == ""), printed
-    for device, world_size in ((torch.device("cuda", 0), 1), (CPU, 2)):  # one process, or Gloo on CPUs: no graphs
-        args = SimpleNamespace(compile=True, compile_mode=None)
-        harness.check_ddp_cuda_graphs(args, device, world_size)
-        assert args.compile_mode is None and capsys.readouterr().out == ""
-    # opt5 checks after it knows its world size and before it builds the model
-    source = inspect.getsource(opt5.main)
-    assert source.index("setup_distributed(") < source.index("check_ddp_cuda_graphs(args, device, world_size)") \
-        < source.index("train(args")
+@pytest.mark.parametrize("world_size, captured", [(1, True), (2, False)])
+def test_opt5_captures_its_step_on_one_gpu_and_says_why_not_under_ddp(world_size, captured):
+    why_not = opt5.capture_problem(torch.device("cuda", 0), torch.bfloat16, world_size)
+    assert (why_not is None) == captured and (captured or "DDP" in why_not)
+    assert "float16" in opt5.capture_problem(torch.device("cuda", 0), torch.float16, 1)
+    assert "CUDA" in opt5.capture_problem(CPU, torch.bfloat16, 1)
 
 
 def test_ddp_buffer_flag_is_named_as_this_torch_names_it(monkeypatch):
@@ -2049,13 +2304,18 @@ def test_opt5_two_nodes_on_one_machine_finish_with_identical_weights_and_one_rep
 
 def test_opt5_rank_shares_are_disjoint_and_cover_the_epoch():
     def share(rank):
-        generator = torch.Generator().manual_seed(0)  # every rank seeds alike
-        return opt5.epoch_batches(100, 8, generator, CPU, rank, world_size=2)
+        args = SimpleNamespace(batch_size=8, accum_steps=1)
+        run = SimpleNamespace(args=args, device=CPU, rank=rank, world_size=2, plan=opt5.empty_plan(6, args, CPU),
+                              generator=torch.Generator().manual_seed(0),  # every rank seeds alike
+                              augment_generator=torch.Generator().manual_seed(rank), schedule=torch.zeros(6, 2))
+        opt5.draw_epoch(run, 100, 1)
+        return run.plan
 
     first, second = share(0), share(1)
-    assert first.shape == second.shape == (6, 8)
-    seen = first.flatten().tolist() + second.flatten().tolist()
+    assert first.batches.shape == second.batches.shape == (6, 8)
+    seen = first.batches.flatten().tolist() + second.batches.flatten().tolist()
     assert len(set(seen)) == 96, "no image twice; 100 - 96 left over for a full global batch of 16"
+    assert not torch.equal(first.offsets, second.offsets), "each rank its own crops"
 
 
 INSTRUMENTED_RANK = """
@@ -2080,16 +2340,15 @@ class BatchNormFreeNet(nn.Sequential):  # float32 and no BatchNorm: accumulation
 
 common.ResNet10 = BatchNormFreeNet
 torch.autocast = lambda *args, **kwargs: contextlib.nullcontext()
-opt5.augment = lambda images, generator: images  # crops are drawn per micro-batch: leave images as they are
+opt5.augment = lambda images, offsets, flips: images  # crops differ per micro-batch: leave images as they are
 
-real_epoch_batches, real_load_data, RealDDP = opt5.epoch_batches, common.load_data, opt5.DistributedDataParallel
+real_draw_epoch, real_load_data, RealDDP = opt5.draw_epoch, common.load_data, opt5.DistributedDataParallel
 real_normalize = opt5.normalize
 
 
-def epoch_batches(*args):
-    batches = real_epoch_batches(*args)
-    record["shares"].append(batches.flatten().tolist())
-    return batches
+def draw_epoch(run, *args):
+    real_draw_epoch(run, *args)
+    record["shares"].append(run.plan.batches.flatten().tolist())
 
 
 def load_data(*args, **kwargs):
@@ -2118,10 +2377,10 @@ def counting_ddp(*args, **kwargs):
     return model
 
 
-def normalize(images):
+def normalize(images, statistics):
     if torch.is_inference_mode_enabled():  # evaluating: note which test images this rank scores
         record["evaluated"] += [hashlib.sha256(image.numpy().tobytes()).hexdigest()[:16] for image in images]
-    return real_normalize(images)
+    return real_normalize(images, statistics)
 
 
 class BarrierHandle:  # a barrier's handle (Work), noting when Python lets go of it
@@ -2147,7 +2406,7 @@ def destroy_process_group(*args, **kwargs):
     real_destroy_process_group(*args, **kwargs)
 
 
-opt5.epoch_batches, common.load_data, opt5.DistributedDataParallel = epoch_batches, load_data, counting_ddp
+opt5.draw_epoch, common.load_data, opt5.DistributedDataParallel = draw_epoch, load_data, counting_ddp
 opt5.normalize = normalize
 real_barrier, real_destroy_process_group = dist.barrier, dist.destroy_process_group
 dist.barrier, dist.destroy_process_group = barrier, destroy_process_group
@@ -2311,19 +2570,11 @@ def test_cuda_opt2_loader_pins_memory(monkeypatch):
 
 
 @cuda_test
-def test_cuda_opt3_compiled_step_replays_cuda_graphs_and_never_syncs_after_warm_up(monkeypatch):
-    from torch._dynamo.utils import counters
-    harness.compile_problem(CPU)  # main()'s trial compile, done once per process: not counted among the script's graphs
-    torch._dynamo.reset()
-    counters.clear()
-    real_compile, real_train_one_epoch, modes, syncs = nn.Module.compile, opt3.train_one_epoch, [], []
-
-    def compile(model, *args, **kwargs):
-        modes.append(kwargs.get("mode"))
-        return real_compile(model, *args, **kwargs)
+def test_cuda_opt3_captures_its_step_and_never_syncs_after_warm_up(monkeypatch, capsys):
+    real_train_one_epoch, syncs = opt3.train_one_epoch, []
 
     def train_one_epoch(*args):
-        if args[-2] == 1:  # epoch 1: capture and autotuning happen here
+        if args[-2] == 1:  # epoch 1: compiling, autotuning and the capture happen here
             return real_train_one_epoch(*args)
         torch.cuda.set_sync_debug_mode("warn")
         try:
@@ -2335,14 +2586,38 @@ def test_cuda_opt3_compiled_step_replays_cuda_graphs_and_never_syncs_after_warm_
         syncs.extend(str(warning.message) for warning in caught if "synchroniz" in str(warning.message))
         return result
 
-    monkeypatch.setattr(nn.Module, "compile", compile)
     monkeypatch.setattr(opt3, "train_one_epoch", train_one_epoch)
     monkeypatch.setattr(sys, "argv", ["opt3.py", *GPU_ARGS])
     opt3.main()
-    assert modes == ["reduce-overhead"], "CUDA graphs are opt3's default on a GPU"
-    assert counters["inductor"]["cudagraph_skips"] == 0, "inductor fell back from CUDA graphs"
+    assert "step: captured as a CUDA graph and replayed" in capsys.readouterr().out.splitlines()
     # losses.tolist(), losses.mean().item() and correct.item(): the fixed reads at the end of the epoch
     assert len(syncs) == 3, syncs
+
+
+@cuda_test
+@pytest.mark.parametrize("script", ["opt3.py", "opt4.py"])
+def test_cuda_the_captured_step_replays_what_the_step_computes(script, monkeypatch):
+    # The same 2 epochs twice, float32: the step called as itself, and captured after 3 steps and replayed.
+    monkeypatch.setattr(torch, "autocast", lambda *args, **kwargs: contextlib.nullcontext())
+    gpu, dataset = torch.device("cuda"), common.synthetic_cifar10(256, train=True, transform=None)
+
+    def weights_after_two_epochs(captured):
+        model = small_net().to(gpu)
+        run, step = step_of(script, model, dataset, gpu)
+        if captured:
+            step = opt3.cuda_graph(step)
+        addresses = [tensor.data_ptr() for tensor in [*model.parameters(), *vars(run.plan).values()]]
+        for epoch in (1, 2):
+            ALL_SCRIPTS[script].draw_epoch(run, 256, epoch)
+            for _ in range(len(run.plan.schedule)):
+                step()
+        assert addresses == [tensor.data_ptr() for tensor in [*model.parameters(), *vars(run.plan).values()]]
+        return torch.nn.utils.parameters_to_vector(model.parameters()).detach(), run.plan.losses.clone()
+
+    (captured, captured_losses) = weights_after_two_epochs(captured=True)
+    (called, called_losses) = weights_after_two_epochs(captured=False)
+    assert torch.allclose(captured, called, rtol=1e-4, atol=1e-5) and torch.allclose(captured_losses, called_losses)
+    assert not torch.equal(captured, torch.nn.utils.parameters_to_vector(small_net().parameters()).to(gpu))
 
 
 @cuda_test
@@ -2351,7 +2626,7 @@ def test_cuda_opt3_accumulates_under_cuda_graphs(tmp_path):
     result = run_script("opt3.py", *GPU_ARGS, "--accum-steps", 2, "--json", json_path)
     assert result.returncode == 0, result.stderr  # torch's "gradient ... overwritten" error would end it here
     report = read_json(json_path)
-    assert report["settings"]["compile_mode"] is None and report["final_test_accuracy"] > 0.5
+    assert report["settings"]["accum_steps"] == 2 and report["final_test_accuracy"] > 0.5
 
 
 @cuda_test
