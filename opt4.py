@@ -204,7 +204,8 @@ class Muon(torch.optim.Optimizer):
         super().__init__(filters, {name: adamw.defaults[name] for name in ("lr", "betas", "weight_decay")})
         self.param_groups += adamw.param_groups  # the same dicts: a write to one is a write to the other
         self.adamw, self.dtype, self.steps = adamw, dtype, steps
-        for parameter in self.param_groups[0]["params"]:  # here: made in the first step, a compiled step recompiles
+        # the state made here, not by the first step: a compiled step would compile again once it existed
+        for parameter in self.param_groups[0]["params"]:
             self.state[parameter]["momentum"] = torch.zeros_like(parameter)
 
     @torch.no_grad()

@@ -1068,8 +1068,8 @@ def test_the_compiled_step_computes_what_the_step_run_eagerly_does_in_float32(sc
 
 def compiled_run(script, flags, folder):
     """`script`'s main() compiled, in this process; returns the dynamo counters and the line printed after each
-    epoch, and the report. From epoch 2 on a recompile is an error (torch._dynamo.config.error_on_recompile), so a
-    value baked into a graph (a learning rate, a step count) fails the run."""
+    epoch, and the report. For opt3, from epoch 2 on a recompile is an error (the compiler's fail_on_recompile
+    stance), so a value baked into a graph (a learning rate, a step count) fails the run."""
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
     counters.clear()
@@ -1082,16 +1082,18 @@ def compiled_run(script, flags, folder):
         after_each_epoch.append({"graphs": counters["stats"]["unique_graphs"],
                                  "graph_breaks": sum(counters["graph_break"].values()), "line": printed.getvalue()})
         # warm from here on (opt4 compiles again at each new image size; its test counts the graphs instead)
-        torch._dynamo.config.error_on_recompile = script == "opt3.py"
+        torch.compiler.set_stance("fail_on_recompile" if script == "opt3.py" else "default")
 
     json_path = folder / "result.json"
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch._dynamo.config, "error_on_recompile", False)
         patch.setattr(harness, "record_epoch", record_epoch)
         # 40 test images in batches of 16: the evaluation ends on a partial batch.
         patch.setattr(sys, "argv", [script, *SMALL, "--train-size", "96", "--batch-size", "16", "--test-size", "40",
                                     *flags, "--json", str(json_path)])
-        ALL_SCRIPTS[script].main()
+        try:
+            ALL_SCRIPTS[script].main()
+        finally:
+            torch.compiler.set_stance("default")
     return after_each_epoch, read_json(json_path)
 
 
@@ -1101,19 +1103,16 @@ def compiled_opt3_run(tmp_path_factory):
     return (*compiled_run("opt3.py", ["--epochs", "3", "--profile", str(folder / "trace")], folder), folder / "trace")
 
 
-# opt3's compiled graphs: the step's first half (augmentation, forward, loss), its second (the schedule's writes, the
-# update, the bookkeeping) in three, as torch.optim cuts its step() off with two graph breaks of its own (so that it
-# compiles as an inference graph), and the evaluation's forward
-OPT3_GRAPHS, OPTIMIZER_GRAPH_BREAKS = 5, 2
-
-
 def test_opt3_compiles_its_step_and_evaluation_once_and_never_recompiles(compiled_opt3_run):
     after_each_epoch, report, _ = compiled_opt3_run
     assert report["settings"]["compile"] and len(after_each_epoch) == 3
-    # error_on_recompile from epoch 2 on, while the learning rate and beta1 change at every step: the run ended
-    assert [epoch["graph_breaks"] for epoch in after_each_epoch] == [OPTIMIZER_GRAPH_BREAKS] * 3
+    # fail_on_recompile from epoch 2 on, while the learning rate and beta1 change at every step: the run ended. The
+    # graph breaks are torch.optim's own (its step() compiles apart, as an inference graph), all made in epoch 1
+    breaks = [epoch["graph_breaks"] for epoch in after_each_epoch]
+    graphs = [epoch["graphs"] for epoch in after_each_epoch]
+    assert breaks == breaks[:1] * 3 and breaks[0] <= 3, breaks
     # The partial last test batch is padded to the same shape; later epochs reuse every graph of epoch 1
-    assert [epoch["graphs"] for epoch in after_each_epoch] == [OPT3_GRAPHS] * 3
+    assert graphs == graphs[:1] * 3, graphs
 
 
 def eager_ops_per_step(trace_folder):
@@ -2126,9 +2125,11 @@ def test_opt5_compiled_ends(tmp_path):
     # A barrier before it narrowed that, not closed it: once since, in CI, a rank's main thread, holding the GIL,
     # freed the process group and joined a Gloo worker thread that was waiting for the GIL to free a tensor of an
     # earlier all-reduce (gdb's stacks). The cause, and the test that keeps it fixed every time:
-    # test_opt5_keeps_its_last_barriers_handle_until_its_process_group_is_destroyed. Here one compiled run, end to end.
+    # test_opt5_keeps_its_last_barriers_handle_until_its_process_group_is_destroyed. Here one compiled run, end to end,
+    # at one image size and with AdamW: the fewest graphs a compiled rank makes (Muon's and a second size's take minutes
+    # more to compile on torch 2.6 on 2 cores)
     result = run_to_the_end(*TORCHRUN, "opt5.py", *SMALL, "--epochs", 2, "--train-size", 256, "--batch-size", 16,
-                            timeout=180)
+                            "--optimizer", "adamw", "--min-size", 32, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("done:") == 1
 
