@@ -187,8 +187,9 @@ def check_torch_version():
 def own_gpu():
     """Under torchrun, GPU LOCAL_RANK, made this process's current GPU; exit 2 where there is no such GPU.
 
-    Set before any CUDA work: otherwise the first (the trial compile's) opens a CUDA context on GPU 0 in every
-    process, and where GPUs are exclusive to one process (EXCLUSIVE_PROCESS, common on clusters) all but one fail.
+    Set before any CUDA work: otherwise any that names no GPU ("cuda", a stream, a generator) opens a CUDA context on
+    GPU 0 in every process, and where GPUs are exclusive to one process (EXCLUSIVE_PROCESS, common on clusters) all
+    but one fail.
     """
     local_rank, gpus = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
     if local_rank >= gpus:  # Slurm or MIG often shows each task one GPU

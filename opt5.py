@@ -384,7 +384,8 @@ def capture_problem(device, amp_dtype, world_size):
     if device.type != "cuda":
         return "not captured: CUDA graphs are CUDA's"
     if world_size > 1:  # opt5
-        return "not captured: DDP's all-reduce is launched by its hooks during backward, outside what a capture holds"
+        # capturing DDP's all-reduce needs settings and a warm-up of its own (PyTorch's CUDA graphs notes)
+        return "not captured: under DDP the step runs as a function, its all-reduce launched by DDP's hooks"
     if amp_dtype == torch.float16:
         return "not captured: float16's GradScaler reads on the host whether each step's gradients are finite"
     return None

@@ -68,7 +68,7 @@ def call(function, **available):
     args = SimpleNamespace(batch_size=available.get("batch_size"), accum_steps=available.get("accum_steps"))
     available["run"] = SimpleNamespace(args=args, **{"rank": 0, "world_size": 1, **available})
     module = sys.modules[function.__module__]
-    if hasattr(module, "channel_statistics"):
+    if hasattr(module, "channel_statistics") and "statistics" not in available:
         available["run"].statistics = module.channel_statistics(available.get("device", CPU))
     if hasattr(module, "train_step") and "train_data" in available:
         assemble_the_step(module, available["run"], epochs=available.get("epoch", 1))
@@ -96,7 +96,7 @@ def script_evaluate(module, model, dataset):
     loader = DataLoader(dataset, batch_size=64)
     test_data = opt3.load_to_device(dataset, CPU)
     return call(module.evaluate, model=model, loader=loader, test_data=test_data, batch_size=64,
-                amp_dtype=CPU_AMP_DTYPE, device=CPU, size=32)
+                amp_dtype=CPU_AMP_DTYPE, device=CPU, size=32, statistics=opt3.channel_statistics(CPU))
 
 
 def read_json(path):
@@ -2065,9 +2065,11 @@ def test_opt5_two_processes_learn_print_once_and_end_with_identical_weights(tmp_
     report = read_json(json_path)
     assert report["world_size"] == 2 and report["final_test_accuracy"] > 0.5
     assert report["epochs"][0]["images"] == 1024, "images/s must count both ranks' images"
-    # Twice the global batch: the peak rate grows by the square root of 2, and OneCycleLR ends relative to it.
-    assert report["final_lr"] == pytest.approx(onecycle_lr_after(2 * 1024 // 32, report["settings"]["lr"] * 2**0.5))
-    assert report["final_lr"] != pytest.approx(onecycle_lr_after(2 * 1024 // 32, report["settings"]["lr"]))
+    # Twice the global batch: the peak rate grows by the square root of 2, and OneCycleLR ends relative to it (the
+    # rate of the last step)
+    steps, lr = 2 * 1024 // 32, report["settings"]["lr"]
+    assert report["final_lr"] == pytest.approx(onecycle_lr_after(steps, lr * 2**0.5, steps=steps - 1), rel=1e-6)
+    assert report["final_lr"] != pytest.approx(onecycle_lr_after(steps, lr, steps=steps - 1))
     assert_saved_weights_match_the_report(weights, report, opt5, transform=None)
 
 
@@ -2195,21 +2197,29 @@ def init_process_group(backend, device_id=None, **kwargs):
     calls.append(["init_process_group", device_id.index])
     print(json.dumps(calls), file=sys.stderr)
     sys.exit(0)
+real_capability = torch.cuda.get_device_capability
+def get_device_capability(device=None):
+    calls.append(["get_device_capability", current[0] if device is None else torch.device("cuda", device).index
+                  if isinstance(device, int) else device.index])
+    return real_capability(device)
 torch.cuda.set_device, torch.cuda.current_device = set_device, lambda: current[0]
+torch.cuda.get_device_capability = get_device_capability
 torch.compile = lambda function, **options: function
 torch.distributed.init_process_group = init_process_group
 RecordCudaCalls().__enter__()
 """
 
 
-def test_opt5_each_rank_sets_its_own_gpu_before_any_cuda_work_the_trial_compile_included():
-    # torchrun's second process on a machine with 2 GPUs: everything it does on a GPU must be on GPU 1
+def test_opt5_each_rank_sets_its_own_gpu_before_any_cuda_work_the_compiler_check_included():
+    # torchrun's second process on a machine with 2 GPUs: everything it does on a GPU must be on GPU 1. Before it, the
+    # architecture check reads each GPU's capability (a property, no work on it)
     env = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9"}
     patches = VISIBLE_GPU.format(count=2, capability=90, name="NVIDIA H100 80GB HBM3") + RECORD_CUDA_CALLS
     result = run_on_fake_machine(patches, "opt5.py", *NO_DATA, env=env)
     assert result.returncode == 0, result.stderr
     calls = json.loads(result.stderr.strip().splitlines()[-1])
-    assert calls == [["set_device", 1], ["ones", 1], ["init_process_group", 1]], calls
+    assert calls == [["get_device_capability", 0], ["get_device_capability", 1], ["set_device", 1],
+                     ["get_device_capability", 1], ["init_process_group", 1]], calls
 
 
 def test_under_torchrun_only_rank_0_prints_a_verdict_and_a_fatal_one_ends_every_rank(monkeypatch, capsys):
