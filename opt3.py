@@ -164,7 +164,7 @@ def micro_batch_loss(run, micro_batch):
         loss = run.criterion(outputs, labels)
     # opt3: losses and correct counts stay on the device: reading them per step would wait for the GPU
     plan.losses[row] = loss.detach()
-    plan.correct += (outputs.argmax(1) == labels).sum()
+    plan.correct.add_((outputs.argmax(1) == labels).sum())  # add_: `+=` would store the attribute, a graph break
     return loss / run.args.accum_steps  # opt2: the mean over the effective batch
 
 
@@ -179,7 +179,7 @@ def optimizer_step(run):
     run.scaler.step(run.optimizer)
     run.scaler.update()
     run.optimizer.zero_grad()  # opt3: set_to_none (the default): backward writes each gradient afresh, no zeroing pass
-    plan.step += 1
+    plan.step.add_(1)
 
 
 def train_step(run):

@@ -1543,7 +1543,7 @@ def test_benchmark_ladder_compares_each_rung_with_the_one_it_adds_to():
     assert list(by_rung) == list(speeds)
     assert by_rung["opt1"][5:8] == ["opt1 eager", "1.25x", "2.50x"]
     assert by_rung["opt3 eager"][5:8] == ["opt2, 0 workers", "0.75x", "1.80x"]
-    assert by_rung["opt3"][3] == "CUDA graphs (reduce-overhead)" and by_rung["opt1"][3] == "-"
+    assert by_rung["opt3 eager"][3] == "no host sync; the step captured as one CUDA graph" and by_rung["opt1"][3] == "-"
 
 
 @pytest.mark.parametrize("rung, script, flags", [rung[:3] for rung in benchmark.LADDER])
