@@ -2523,11 +2523,11 @@ import opt5
 
 if os.environ["RANK"] == "1":  # rank 1 dies in its third step while rank 0 waits in an all-reduce
     calls, real_augment = [], opt5.augment
-    def augment(images, generator):
+    def augment(images, offsets, flips):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("injected failure on rank 1")
-        return real_augment(images, generator)
+        return real_augment(images, offsets, flips)
     opt5.augment = augment
 sys.argv[0] = "opt5.py"
 opt5.main()
