@@ -1,13 +1,18 @@
-"""benchmark.py: run the chain side by side and print one markdown table of speed and accuracy.
+"""benchmark.py: the chain on your machine, as one table.
 
-    python benchmark.py                                   # synthetic data, quick (minutes on a CPU)
-    python benchmark.py --ladder                          # what each optimization buys, one rung at a time
-    python benchmark.py --data-dir ./data --train-size 50000 --test-size 10000
-    python benchmark.py --device cuda --train-size 50000 --test-size 10000 --epochs 3   # on a GPU
+    python benchmark.py --json my-gpu.jsonl       # each script at its defaults on CIFAR-10 (./data, downloaded)
+    python benchmark.py --ladder --device cuda --train-size 50000 --test-size 10000 --epochs 3
 
-Every run gets the same settings and its own process. The runs take turns (A B C D, A B C D, ...)
-for --repeats rounds, so slow drift of the machine hits all of them alike, and the table shows each
-figure's median over the rounds. Speedup is steady-state images/s over baseline.py's.
+The chain (the default): baseline.py, opt1.py, ... opt4.py one after the other, each at its own defaults (batch,
+learning rate, 5 epochs) on real data, each in its own process: what `python optN.py` gives you. The table has its
+steady images/s (epochs 2 on; per image size for opt4), the speedup over baseline.py's, its test accuracy, the seconds
+from launch to result, the first epoch's seconds (compiling included) and the seconds before the first step. With
+--json every script's own --json line is appended (the rows results/ holds), then one line with the table.
+
+The ladder (--ladder): what each optimization buys in speed alone. Every rung gets the same settings (batch 128, 2
+epochs of 2,048 generated images unless told), each rung one more group of optimizations switched on by the scripts'
+own flags; the rungs take turns (A B C, A B C, ...) for --repeats rounds, so slow drift of the machine hits all
+alike, and the table shows medians. Speedup is steady-state images/s over baseline.py's.
 """
 import argparse
 import datetime
@@ -25,7 +30,7 @@ import common
 import harness
 
 ROOT = Path(__file__).resolve().parent
-SCRIPTS = ["baseline.py", "opt1.py", "opt2.py", "opt3.py"]
+SCRIPTS = ["baseline.py", "opt1.py", "opt2.py", "opt3.py", "opt4.py"]  # the chain (opt5 runs under torchrun)
 # The ladder: each rung switches on one group of optimizations with a flag the scripts already have.
 # (rung, script, flags, the rung it is compared with, what it adds, what of that acts only on a GPU)
 LADDER = [
@@ -44,27 +49,40 @@ LADDER = [
 ]
 
 
+# The ladder's settings, where the command line gives none: the same for every rung. The chain's: each script's own.
+LADDER_DEFAULTS = {"epochs": 2, "batch_size": 128, "train_size": 2048, "test_size": 1024, "repeats": 3}
+
+
 def parse_args():
     parser = harness.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
-    add("--scripts", nargs="+", default=SCRIPTS, help=f"scripts to compare (default: {' '.join(SCRIPTS)})")
     add("--ladder", action="store_true",
-        help="run the ladder instead: one rung per optimization group, switched by the scripts' own flags "
-             "(default: off)")
-    add("--repeats", type=harness.positive_int, default=3, help="rounds over all scripts (default: 3)")
-    add("--epochs", type=int, default=2, help="epochs per run; steady state needs 2 or more (default: 2)")
-    add("--batch-size", type=harness.positive_int, default=128, help="the same for every script (default: 128)")
-    add("--train-size", type=harness.positive_int, default=2048, help="training images per epoch (default: 2048)")
-    add("--test-size", type=harness.positive_int, default=1024, help="test images (default: 1024)")
-    add("--data-dir", default=None, help="real CIFAR-10 here instead of synthetic data (default: synthetic)")
+        help="run the ladder instead of the chain: one rung per optimization group, same settings (default: off)")
+    add("--scripts", nargs="+", default=SCRIPTS, help=f"the chain's scripts, in order (default: {' '.join(SCRIPTS)})")
+    add("--repeats", type=harness.positive_int, default=None, help="rounds over all runs (default: chain 1, ladder 3)")
+    add("--epochs", type=int, default=None,
+        help="epochs per run; steady state needs 2 or more (default: chain each script's own, 5; ladder 2)")
+    add("--batch-size", type=harness.positive_int, default=None,
+        help="the same for every run (default: chain each script's own; ladder 128)")
+    add("--train-size", type=harness.positive_int, default=None,
+        help="training images per epoch (default: chain all 50,000; ladder 2,048)")
+    add("--test-size", type=harness.positive_int, default=None,
+        help="test images (default: chain all 10,000; ladder 1,024)")
+    add("--data-dir", default=None,
+        help="where CIFAR-10 is, or downloads to (default: chain ./data; ladder generated data)")
+    add("--synthetic", action="store_true", help="the chain on generated data: speed only (default: off)")
     add("--device", choices=["auto", "cuda", "cpu"], default="auto", help="passed to every script (default: auto)")
-    add("--compile", action=argparse.BooleanOptionalAction, default=True,
-        help="let the scripts that have --compile use it; the ladder sets it per rung (default: on)")
     add("--json", metavar="PATH", default=None,
-        help="append every run's report and one summary line with the table's medians (default: off)")
+        help="append every run's own --json line, then one line with the table (default: off)")
     args = parser.parse_args()
-    if args.epochs < 2:
+    if args.ladder:
+        for name, value in LADDER_DEFAULTS.items():
+            setattr(args, name, value if getattr(args, name) is None else getattr(args, name))
+    args.repeats = args.repeats or 1
+    if args.epochs is not None and args.epochs < 2:
         common.fail("--epochs must be at least 2: steady state excludes epoch 1")
+    if args.synthetic and args.data_dir:
+        common.fail("--synthetic and --data-dir exclude each other: choose one")
     for script in args.scripts:
         if not (ROOT / script).is_file():
             common.fail(f"no script {script} next to benchmark.py; choose from {' '.join(SCRIPTS)}")
@@ -72,20 +90,21 @@ def parse_args():
 
 
 def runs_to_compare(args):
-    """(name, script, flags) per run: the ladder's rungs, or each script with --compile as asked."""
+    """(name, script, flags) per run: the ladder's rungs, or each of the chain's scripts."""
     if args.ladder:
         return [(rung, script, flags) for rung, script, flags, *_ in LADDER]
-    # baseline never compiles, so it has no such flag
-    return [(script, script, [] if args.compile or script == "baseline.py" else ["--no-compile"])
-            for script in args.scripts]
+    return [(script, script, []) for script in args.scripts]
 
 
 def run_once(script, flags, args, json_path):
-    """Run one script once; returns its --json report."""
-    command = [sys.executable, str(ROOT / script), "--epochs", args.epochs, "--batch-size", args.batch_size,
-               "--train-size", args.train_size, "--test-size", args.test_size, "--device", args.device,
-               "--json", json_path, *flags]
-    command += ["--data-dir", args.data_dir] if args.data_dir else ["--synthetic"]
+    """Run one script once with the settings given (the rest its own defaults); returns its --json report."""
+    settings = {"--epochs": args.epochs, "--batch-size": args.batch_size, "--train-size": args.train_size,
+                "--test-size": args.test_size, "--data-dir": args.data_dir}
+    command = [sys.executable, str(ROOT / script), "--device", args.device, "--json", json_path, *flags]
+    for flag, value in settings.items():
+        command += [flag, value] if value is not None else []
+    if args.synthetic or (args.ladder and args.data_dir is None):
+        command.append("--synthetic")
     result = subprocess.run([str(part) for part in command], capture_output=True, text=True)
     if result.returncode != 0:
         common.fail(f"{script} failed (exit {result.returncode}): {result.stderr.strip()[-500:]}", code=1)
@@ -124,17 +143,62 @@ def medians(results, peak_tflops):
     return rows
 
 
-def markdown_table(results, peak_tflops):
-    """One row per script: medians over its runs."""
-    baseline_speed = median(results["baseline.py"], "steady_images_per_second") if "baseline.py" in results else None
-    lines = ["| script | images/s | speedup | ms/step | warm-up s | peak memory GiB | TFLOP/s | % of bf16 peak "
-             "| test acc % |", "|---|---|---|---|---|---|---|---|---|"]
-    for row in medians(results, peak_tflops):
-        speedup = f"{row['images_per_second'] / baseline_speed:.2f}x" if baseline_speed else "n/a"
+def steady_by_size(report):
+    """{image size: (images/s, ms/step)} of the steady epochs: epochs 2 on, or where the size changes (opt4), each
+    size's epochs after its first (a size trained one epoch only, compiling, is left out); "all": one size throughout."""
+    if report["steady_images_per_second"] is not None:
+        return {"all": (report["steady_images_per_second"], report["steady_ms_per_step"])}
+    seen, totals = set(), {}
+    for record in report["epochs"]:
+        size = record.get("image_size")
+        if size in seen:
+            images, seconds, steps = totals.get(size, (0, 0.0, 0))
+            totals[size] = (images + record["images"], seconds + record["train_seconds"], steps + record["steps"])
+        seen.add(size)
+    return {size: (images / seconds, 1000 * seconds / steps) for size, (images, seconds, steps) in totals.items()}
+
+
+def chain_rows(results):
+    """One row per script of the chain: the medians over its runs of what the table shows."""
+    rows = []
+    for name, reports in results.items():
+        by_size = [steady_by_size(report) for report in reports]
+        sizes = sorted(set.intersection(*(set(speeds) for speeds in by_size)), key=str)
+        peak_memory = median(reports, "peak_memory_bytes")
+        rows.append({
+            "name": name,
+            "images_per_second": {size: statistics.median(speeds[size][0] for speeds in by_size) for size in sizes},
+            "ms_per_step": {size: statistics.median(speeds[size][1] for speeds in by_size) for size in sizes},
+            "batch_size": reports[0]["settings"]["batch_size"],
+            "test_accuracy": median(reports, "final_test_accuracy"),
+            "launch_to_result_seconds": median(reports, "launch_to_result_seconds"),
+            "first_epoch_seconds": statistics.median(report["epochs"][0]["train_seconds"] for report in reports),
+            # launch to result less the epochs (their evaluations included): imports, checks, data, model
+            "before_first_epoch_seconds": statistics.median(
+                report["launch_to_result_seconds"] - report["total_seconds"] for report in reports),
+            "peak_memory_gib": peak_memory and peak_memory / 2**30})
+    return rows
+
+
+def per_size(values, spec):
+    """One figure, or one per image size: "15,608 at 16 px, 15,812 at 24 px"."""
+    return ", ".join(format(value, spec) + (f" at {size} px" if size != "all" else "") for size, value in values.items()) or "-"
+
+
+def chain_table(results):
+    """The chain's markdown table: one row per script, the speedup over baseline.py's steady images/s."""
+    rows = chain_rows(results)
+    baseline = next((row["images_per_second"].get("all") for row in rows if row["name"] == "baseline.py"), None)
+    lines = ["| script | images/s | speedup | ms/step (batch) | test acc % | launch to result s | first epoch s "
+             "(compile) | before it s | peak memory GiB |", "|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        speed = row["images_per_second"].get("all")
+        speedup = f"{speed / baseline:.2f}x" if speed and baseline else "-"
         lines.append(
-            f"| {row['name']} | {row['images_per_second']:.0f} | {speedup} | {row['ms_per_step']:.1f} "
-            f"| {row['warmup_seconds']:.1f} | {harness.shown(row['peak_memory_gib'], '.2f')} | {row['tflops']:.3f} "
-            f"| {harness.shown(row['percent_of_bf16_peak'], '.0f')} | {100 * row['test_accuracy']:.1f} |")
+            f"| {row['name']} | {per_size(row['images_per_second'], ',.0f')} | {speedup} "
+            f"| {per_size(row['ms_per_step'], '.1f')} ({row['batch_size']}) | {100 * row['test_accuracy']:.2f} "
+            f"| {row['launch_to_result_seconds']:.1f} | {row['first_epoch_seconds']:.1f} "
+            f"| {row['before_first_epoch_seconds']:.1f} | {harness.shown(row['peak_memory_gib'], '.2f')} |")
     return "\n".join(lines)
 
 
@@ -155,6 +219,14 @@ def ladder_table(results, peak_tflops):
     return "\n".join(lines)
 
 
+def measure_peaks(peaks, device):
+    """Add this round's best matmul TFLOP/s per dtype: the peak drifts with the machine too, so the best is kept."""
+    for dtype, measured in peaks.items():
+        # bfloat16 only where it is native: emulated, its matmuls take minutes and say nothing of a peak
+        if dtype == torch.float32 or device.type == "cuda" or common.bfloat16_unit() is not None:
+            measured.append(matmul_peak_tflops(device, dtype))
+
+
 def main():
     args = parse_args()
     runs = runs_to_compare(args)
@@ -165,34 +237,42 @@ def main():
             for run_number, (name, script, flags) in enumerate(runs):
                 report = run_once(script, flags, args, Path(folder) / f"{run_number}.{round_number}.json")
                 results[name].append(report)
-                print(f"round {round_number}/{args.repeats} {name}: {report['steady_images_per_second']:.0f} img/s, "
-                      f"test acc {100 * report['final_test_accuracy']:.1f}%", flush=True)
+                speeds = {size: speed for size, (speed, _) in steady_by_size(report).items()}
+                print(f"round {round_number}/{args.repeats} {name}: {per_size(speeds, ',.0f')} img/s, test acc "
+                      f"{100 * report['final_test_accuracy']:.2f}%, {report['launch_to_result_seconds']:.0f} s from "
+                      f"launch to result", flush=True)
                 if args.json:
                     with open(args.json, "a") as file:
                         file.write(json.dumps({**report, "benchmark_run": name, "round": round_number}) + "\n")
-            # the peak drifts with the machine too, so it is measured every round and the best is kept
-            device = torch.device(report["device"])
-            for dtype, measured in peaks.items():
-                # bfloat16 only where it is native: emulated, its matmuls take minutes and say nothing of a peak
-                if dtype == torch.float32 or device.type == "cuda" or common.bfloat16_unit() is not None:
-                    measured.append(matmul_peak_tflops(device, dtype))
+            if args.ladder:
+                measure_peaks(peaks, torch.device(report["device"]))
     first = next(iter(results.values()))[0]
-    peak_tflops, float32_peak_tflops = max(peaks[torch.bfloat16], default=None), max(peaks[torch.float32])
-    data = f"CIFAR-10 in {args.data_dir}" if args.data_dir else "synthetic data"
     machine = first["cpu"] if first["device"] == "cpu" else first["device_name"]
-    print(f"\n{machine}, {first['threads']} threads, torch {first['torch']}; {data}, "
-          f"{args.train_size} training images x {args.epochs} epochs, batch {args.batch_size}, "
-          f"medians of {args.repeats} rounds; peak = the best 4096x4096 matmul of all rounds: "
-          f"bf16 {harness.shown(peak_tflops, '.2f')} TFLOP/s, float32 {float32_peak_tflops:.2f} TFLOP/s"
-          f"{' (bf16 not measured: no bfloat16 unit, so the scripts run float32)' if peak_tflops is None else ''}\n")
-    print(ladder_table(results, peak_tflops) if args.ladder else markdown_table(results, peak_tflops))
+    data = "generated data" if first["data"] == "synthetic" else \
+        f"CIFAR-10 in {first['settings']['data_dir']} (fingerprint {first['data_fingerprint']})"
+    print(f"\n{machine}, {first['threads']} threads, torch {first['torch']}, commit {first['commit']}; {data}; "
+          f"medians of {args.repeats} round{'s' * (args.repeats > 1)}", end="")
+    summary = {"benchmark": "ladder" if args.ladder else "chain",
+               "date": datetime.datetime.now().isoformat(timespec="seconds"),
+               "command": shlex.join(["python", "benchmark.py", *sys.argv[1:]]), "machine": machine,
+               "threads": first["threads"], "torch": first["torch"], "commit": first["commit"],
+               "data_fingerprint": first["data_fingerprint"], "settings": vars(args)}
+    if args.ladder:
+        peak_tflops, float32_peak_tflops = max(peaks[torch.bfloat16], default=None), max(peaks[torch.float32])
+        print(f", {args.train_size} training images x {args.epochs} epochs, batch {args.batch_size}; peak = the best "
+              f"4096x4096 matmul of all rounds: bf16 {harness.shown(peak_tflops, '.2f')} TFLOP/s, float32 "
+              f"{float32_peak_tflops:.2f} TFLOP/s"
+              f"{' (bf16 not measured: no bfloat16 unit, so the scripts run float32)' if peak_tflops is None else ''}")
+        print(f"\n{ladder_table(results, peak_tflops)}")
+        summary.update(bf16_peak_tflops=peak_tflops, float32_peak_tflops=float32_peak_tflops,
+                       rows=medians(results, peak_tflops))
+    else:
+        given = [f"--{name.replace('_', '-')} {value}" for name, value in vars(args).items()
+                 if name in ("epochs", "batch_size", "train_size", "test_size") and value is not None]
+        print(f"; each script at its defaults{' but ' + ' '.join(given) if given else ''}\n")
+        print(chain_table(results))
+        summary["rows"] = chain_rows(results)
     if args.json:
-        summary = {"benchmark": "ladder" if args.ladder else "chain",
-                   "date": datetime.datetime.now().isoformat(timespec="seconds"),
-                   "command": shlex.join(["python", "benchmark.py", *sys.argv[1:]]), "machine": machine,
-                   "threads": first["threads"], "torch": first["torch"], "settings": vars(args),
-                   "bf16_peak_tflops": peak_tflops, "float32_peak_tflops": float32_peak_tflops,
-                   "rows": medians(results, peak_tflops)}
         with open(args.json, "a") as file:
             file.write(json.dumps(summary) + "\n")
 

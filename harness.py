@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import datetime
 import functools
+import hashlib
 import importlib.metadata
 import inspect
 import io
@@ -17,6 +18,7 @@ import platform
 import re
 import shlex
 import shutil
+import subprocess
 import sys
 import time
 import warnings
@@ -434,6 +436,45 @@ def record_epoch(records, train, test, train_seconds, image_size=None, test_imag
     records.append(record)
 
 
+def git_commit():
+    """The commit of the checkout these scripts are in, "+changes" after it where their tracked .py files differ from
+    it; None outside a git checkout (or without git)."""
+    def git(*words):
+        return subprocess.run(["git", *words], cwd=Path(__file__).resolve().parent, capture_output=True, text=True,
+                              timeout=30)
+    try:
+        commit, changes = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "--", "*.py")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if commit.returncode != 0:
+        return None
+    changed = any(not line.startswith("??") for line in changes.stdout.splitlines())
+    return commit.stdout.strip() + ("+changes" if changed else "")
+
+
+def fingerprint(file_md5s):
+    """12 hex digits of the md5 of the files' md5s, in order."""
+    return hashlib.md5("".join(file_md5s).encode()).hexdigest()[:12]
+
+
+def official_cifar10():
+    """The official CIFAR-10 files' names and md5s, as torchvision checks them, in its order."""
+    import torchvision
+    return torchvision.datasets.CIFAR10.train_list + torchvision.datasets.CIFAR10.test_list
+
+
+def data_fingerprint(args):
+    """What data a run read: "synthetic", or the fingerprint of the CIFAR-10 files in --data-dir (their md5s, so
+    the official files always give fingerprint() of torchvision's list, and a copy anything else); None if absent."""
+    if args.synthetic:
+        return "synthetic"
+    folder = Path(args.data_dir) / "cifar-10-batches-py"
+    try:
+        return fingerprint([hashlib.md5((folder / name).read_bytes()).hexdigest() for name, _ in official_cifar10()])
+    except OSError:
+        return None
+
+
 def summarize(records, total_seconds, peak_memory, flops_per_image):
     """Whole-run figures. Steady state = epochs after the first, so compile/warm-up is excluded.
 
@@ -499,6 +540,9 @@ def report(script, args, device, records, total_seconds, extra=None):
             "cpu": cpu_name(),
             "threads": torch.get_num_threads(),
             "data": "synthetic" if args.synthetic else "cifar10",
+            # which files: the official CIFAR-10's fingerprint is fingerprint() of torchvision's md5s
+            "data_fingerprint": data_fingerprint(args),
+            "commit": git_commit(),
             "settings": vars(args),
             **summary,
             **(extra or {}),

@@ -1,20 +1,24 @@
-"""plot.py: draw the README's figure from the measured data in results/.
+"""plot.py: draw the README's figures from the measured data in results/.
 
-    python plot.py            # results/{chain-5-epochs,ladder,muon,muon-xeon-amx}.jsonl -> results/chain.png
+    python plot.py            # results/h200-410ebec/*.jsonl -> results/chain.png; the CPU runs -> results/cpu.png
     python plot.py --tables   # the same data, and ablation.py's rows, as the markdown tables of results/README.md
 
-Three panels: test accuracy per epoch of each script on real CIFAR-10; steady images/s of each
-rung of the ladder (benchmark.py --ladder); and the final test accuracy of opt3, and of opt4 with each
-optimizer, against launch-to-result time as a share of opt3 --epochs 5's on the same CPU (one file of
---muon per CPU), one point per --epochs, the mean of its seeds, so that each is a curve and they compare at
-equal time. Needs matplotlib (the training scripts do not).
+chain.png, the GPU's: each script's steady images/s at its defaults, and where each run's seconds from launch to
+result went (before the first epoch, the first epoch with its compiling, the rest), with its test accuracy.
+cpu.png, three panels: test accuracy per epoch of each script on real CIFAR-10; steady images/s of each rung of
+the ladder (benchmark.py --ladder); and the final test accuracy of opt3, and of opt4 with each optimizer, against
+launch-to-result time as a share of opt3 --epochs 5's on the same CPU (one file of --muon per CPU), one point per
+--epochs, the mean of its seeds, so that each is a curve and they compare at equal time. Needs matplotlib (the
+training scripts do not).
 """
 import argparse
 import json
 import shlex
 import statistics
+import subprocess
 from pathlib import Path
 
+import benchmark
 import common
 import harness
 
@@ -22,10 +26,15 @@ CHAIN = ["baseline.py", "opt1.py", "opt2.py", "opt3.py"]
 CONVERGENCE = ["opt3.py", "opt4.py"]  # the step opt4 takes, and the rung it is measured against
 DEFAULT_EPOCHS = 5  # opt3's and opt4's --epochs default: the runs the curve summary compares
 OPTIMIZER_NAMES = {"opt4.py muon": "Muon", "opt4.py adamw": "AdamW"}
+CHAIN_ORDER = {script: index for index, script in enumerate(benchmark.SCRIPTS)}
+GPU_RUNS = [f"results/h200-410ebec/{name}.jsonl" for name in ("chain-cold-cache", "warm-cache", "bigger-batch")]
 
 
 def parse_args():
     parser = harness.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpu", nargs="+", default=GPU_RUNS,
+                        help=f"the scripts' --json lines of real-data runs on a GPU, in the order to show them "
+                             f"(default: {' '.join(GPU_RUNS)})")
     parser.add_argument("--runs", default="results/chain-5-epochs.jsonl",
                         help="the scripts' --json lines of real-data runs (default: results/chain-5-epochs.jsonl)")
     parser.add_argument("--ladder", default="results/ladder.jsonl",
@@ -44,9 +53,108 @@ def parse_args():
                              "(default: results/muon.jsonl results/muon-xeon-amx.jsonl)")
     parser.add_argument("--ablation", default="results/ablation.jsonl",
                         help="ablation.py's rows, for --tables (default: results/ablation.jsonl)")
-    parser.add_argument("--out", default="results/chain.png", help="the PNG to write (default: results/chain.png)")
+    parser.add_argument("--out", default="results/chain.png",
+                        help="the GPU figure to write (default: results/chain.png)")
+    parser.add_argument("--cpu-out", default="results/cpu.png",
+                        help="the CPU figure to write (default: results/cpu.png)")
     parser.add_argument("--tables", action="store_true", help="print markdown tables instead of drawing (default: off)")
     return parser.parse_args()
+
+
+def gpu_runs(paths):
+    """{name: [report]} of every real-data GPU run in `paths`, file by file, each file's in the chain's order: the script and the flags it was given
+    beyond the data, device, epochs and JSON, and "warm cache" where the file's name says its compiler cache was.
+    A row without its commit takes it from its folder's name (results/h200-410ebec/: commit 410ebec)."""
+    runs = {}
+    for path in paths:
+        for run in sorted(read_lines(path), key=lambda run: CHAIN_ORDER.get(run.get("script"), len(CHAIN_ORDER))):
+            if run.get("data") != "cifar10" or run.get("device", "").split(":")[0] != "cuda":
+                continue
+            words, shown_words = shlex.split(run["command"])[2:], []
+            while words:
+                word = words.pop(0)
+                if word in ("--data-dir", "--json", "--device", "--epochs"):
+                    words.pop(0)
+                else:
+                    shown_words.append(word)
+            name = " ".join([run["script"], *shown_words]) + (", warm cache" if "warm" in Path(path).name else "")
+            # rows from before the scripts recorded their commit have it in their folder's name: h200-410ebec/
+            runs.setdefault(name, []).append({"commit": Path(path).parent.name.rpartition("-")[2], **run})
+    if not runs:
+        common.fail(f"no real-CIFAR-10 GPU run in {' '.join(map(str, paths))}")
+    return runs
+
+
+def gpu_words(runs):
+    """The GPU, its host and software, and the code the runs measured: "NVIDIA H200, 16 threads of an Intel Xeon
+    (AMX-BF16), torch 2.11.0+cu130, commit 410ebec"."""
+    first = next(iter(runs.values()))[0]
+    return f"{first['device_name']}, {first['threads']} threads of an {first['cpu']}, torch {first['torch']}, " \
+        f"commit {first['commit']}"
+
+
+def changed_since(commit, scripts):
+    """The scripts whose code differs from `commit`'s, by git (common.py and harness.py not counted: they hold no
+    optimization); None where git or the commit is not at hand."""
+    try:
+        changed = subprocess.run(["git", "diff", "--name-only", commit, "--", *scripts], capture_output=True,
+                                 text=True, cwd=Path(__file__).resolve().parent, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return changed.stdout.split() if changed.returncode == 0 else None
+
+
+def draw_gpu(runs, out, words):
+    """Two panels: steady images/s of each chain script; each run's launch to result in its three parts."""
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no window
+    import matplotlib.pyplot as plt
+
+    rows = benchmark.chain_rows(runs)
+    figure, (speed_axis, time_axis) = plt.subplots(1, 2, figsize=(15, 5.6), dpi=100,
+                                                    gridspec_kw={"width_ratios": [1, 1.6]})
+    chain = [row for row in rows if row["name"] in CHAIN + CONVERGENCE]
+    baseline = chain[0]["images_per_second"]["all"]
+    for index, row in enumerate(chain):
+        speeds = row["images_per_second"]
+        # opt4's epochs change image size: its bar is the speed at its largest steady size
+        size, speed = max(speeds.items(), key=lambda item: str(item[0]))
+        speed_axis.bar(index, speed, color="tab:blue" if size == "all" else "tab:green")
+        label = f"{speed:,.0f}\n{speed / baseline:.1f}x" if size == "all" else f"{speed:,.0f}\nat {size} px"
+        speed_axis.text(index, speed, label, ha="center", va="bottom", fontsize=8)
+    speed_axis.set_xticks(range(len(chain)), [row["name"].replace(".py", "") for row in chain], fontsize=8)
+    speed_axis.set(ylabel="training images/s (epochs 2 on)", ylim=(0, 1.25 * max(
+        max(row["images_per_second"].values()) for row in chain)))
+    speed_axis.set_title("Steady training speed (epochs 2-5), each script at its defaults", fontsize=9)
+
+    parts = [("before the first epoch", "before_first_epoch_seconds", "tab:gray"),
+             ("first epoch (compiling)", "first_epoch_seconds", "tab:orange")]
+    for index, row in enumerate(rows):
+        left = 0.0
+        for label, field, color in parts:
+            time_axis.barh(index, row[field], left=left, color=color, label=label if index == 0 else None)
+            left += row[field]
+        rest = row["launch_to_result_seconds"] - left
+        time_axis.barh(index, rest, left=left, color="tab:blue", label="the other epochs (opt4: compiling at each new size)" if index == 0 else None)
+        time_axis.text(row["launch_to_result_seconds"] + 0.5, index, f"{100 * row['test_accuracy']:.2f} %",
+                       va="center", fontsize=8)
+    time_axis.set_yticks(range(len(rows)), [row["name"].replace(".py", "") for row in rows], fontsize=8)
+    time_axis.invert_yaxis()
+    time_axis.set(xlabel="seconds from launch to the final test accuracy (5 epochs)",
+                  xlim=(0, 1.15 * max(row["launch_to_result_seconds"] for row in rows)))
+    time_axis.set_title("Where a run's seconds go, and the test accuracy it ends at (JPEG copy of CIFAR-10)",
+                        fontsize=9)
+    time_axis.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=3)
+    for axis in (speed_axis, time_axis):
+        axis.grid(alpha=0.3, axis="x" if axis is time_axis else "y")
+    changed = changed_since(next(iter(runs.values()))[0]["commit"], [row["name"].split()[0] for row in rows])
+    since = "whether the scripts changed since: not known (no git history)" if changed is None else \
+        f"changed since: {', '.join(name.removesuffix('.py') for name in sorted(changed)) or 'none'} (their current " \
+        f"code is not measured on a GPU)"
+    figure.suptitle(f"fast-cifar: ResNet10 on CIFAR-10 on one GPU: {words}\n{since}", fontsize=10, y=0.995)
+    figure.tight_layout()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out)
 
 
 def read_lines(path):
@@ -452,16 +560,19 @@ def main():
     convergence = convergence_runs(read_lines(args.convergence))
     curve = convergence_runs(read_lines(args.curve))
     muon = [convergence_runs(read_lines(path)) for path in args.muon]  # one list of runs per CPU
+    gpu = gpu_runs(args.gpu)
     if args.tables:
         seeds = convergence_runs(read_lines(args.seeds))
+        print(f"{gpu_words(gpu)}:\n\n{benchmark.chain_table(gpu)}\n")
         print(markdown_tables(runs, ladder, convergence, curve, seeds, ablation_rows(read_lines(args.ablation)), muon))
         return
     try:
         import matplotlib  # noqa: F401  (imported here so a missing install is one clear line)
     except ImportError:
         common.fail("plot.py needs matplotlib: pip install matplotlib==3.11.2 (or pip install -r requirements-dev.txt)")
-    draw(runs, ladder, muon, args.out)
-    print(f"wrote {args.out}")
+    draw_gpu(gpu, args.out, gpu_words(gpu))
+    draw(runs, ladder, muon, args.cpu_out)
+    print(f"wrote {args.out} and {args.cpu_out}")
 
 
 if __name__ == "__main__":

@@ -3,12 +3,15 @@ import collections
 import contextlib
 import functools
 import hashlib
+import importlib.util
 import inspect
 import io
 import json
 import os
 import pickle
 import re
+import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -548,6 +551,51 @@ def test_real_cifar10_path_reads_torchvision_layout(tmp_path, monkeypatch):
     baseline.main()
     report = read_json(json_path)
     assert report["data"] == "cifar10" and report["epochs"][0]["images"] == 6 * 16
+    assert report["data_fingerprint"] == harness.data_fingerprint(args) and report["commit"] == harness.git_commit()
+
+
+def test_rows_name_their_data_by_the_md5s_of_its_files(tmp_path):
+    write_tiny_cifar10(tmp_path)
+    args, folder = SimpleNamespace(synthetic=False, data_dir=str(tmp_path)), tmp_path / "cifar-10-batches-py"
+    names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+    copy = harness.data_fingerprint(args)
+    assert copy == harness.fingerprint([hashlib.md5((folder / name).read_bytes()).hexdigest() for name in names])
+    # The official files are those whose md5s torchvision checks, so theirs follows from its list; the results page
+    # says it
+    official = harness.fingerprint([md5 for _, md5 in torchvision.datasets.CIFAR10.train_list
+                                    + torchvision.datasets.CIFAR10.test_list])
+    assert re.fullmatch(r"[0-9a-f]{12}", copy) and copy != official
+    assert f"`{official}`" in (ROOT / "results/README.md").read_text()
+    data = bytearray((folder / "test_batch").read_bytes())
+    data[-1] ^= 1  # one bit of one file
+    (folder / "test_batch").write_bytes(data)
+    assert harness.data_fingerprint(args) not in (copy, official)
+    assert harness.data_fingerprint(SimpleNamespace(synthetic=True, data_dir=None)) == "synthetic"
+    assert harness.data_fingerprint(SimpleNamespace(synthetic=False, data_dir=str(tmp_path / "none"))) is None
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_rows_name_the_commit_and_say_when_the_code_differs_from_it(tmp_path, monkeypatch):
+    for name in ("harness.py", "common.py"):
+        (tmp_path / name).write_text((ROOT / name).read_text())
+    spec = importlib.util.spec_from_file_location("copied_harness", tmp_path / "harness.py")
+    copied = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(copied)  # its git_commit() asks the git checkout it sits in
+    assert copied.git_commit() is None, "not in a git checkout"
+
+    def git(*words):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *words], cwd=tmp_path,
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-q", "-m", "the scripts")
+    commit = git("rev-parse", "--short", "HEAD")
+    (tmp_path / "notes.py").write_text("# not tracked: not the code that ran\n")
+    assert copied.git_commit() == commit
+    with open(tmp_path / "common.py", "a") as file:
+        file.write("# a change\n")
+    assert copied.git_commit() == f"{commit}+changes"
 
 
 # ------------------------------------------------------------------------ gradient accumulation
@@ -1503,33 +1551,51 @@ def test_opt4_with_muon_launches_at_most_4_ops_a_step_more_than_opt3_outside_com
 
 # ------------------------------------------------------------------------------------ benchmark
 
-def test_benchmark_prints_a_row_per_script_and_writes_its_data(tmp_path):
-    json_path = tmp_path / "benchmark.jsonl"
-    result = run_script("benchmark.py", "--repeats", 1, "--epochs", 2, "--train-size", 48, "--test-size", 16,
-                        "--batch-size", 16, "--device", "cpu", "--no-compile", "--json", json_path)
+def test_benchmark_measures_the_chain_by_the_readmes_command_on_a_cpu(tmp_path):
+    # The README's command, then what makes it small here: the last of a repeated flag wins
+    command = re.search(r"^python benchmark\.py [^#\n]*?(?=\s*(#|$))", (ROOT / "README.md").read_text(), re.M)[0]
+    json_path = tmp_path / "chain.jsonl"
+    write_tiny_cifar10(tmp_path / "data", train_per_file=77, test_size=64)  # 385 images: 6 steps of 64, 3 of 128
+    # Our files are not the official bytes: every process skips torchvision's md5 check, as run_local.py does
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(
+        "import torchvision\ntorchvision.datasets.CIFAR10._check_integrity = lambda self: True\n")
+    result = run_script(*shlex.split(command)[1:], "--device", "cpu", "--train-size", 384, "--epochs", 2,
+                        "--data-dir", tmp_path / "data", "--json", json_path, env={"PYTHONPATH": tmp_path / "site"})
     assert result.returncode == 0, result.stderr
-    table = result.stdout[result.stdout.index("| script"):].splitlines()
-    # bfloat16's peak is measured only where it is native; emulated, its matmuls would take minutes.
-    bf16_peak = r"[\d.]+" if common.bfloat16_unit() else r"n/a"
-    assert len(table) == 2 + 4 and re.search(rf"bf16 {bf16_peak} TFLOP/s, float32 [\d.]+ TFLOP/s", result.stdout)
-    assert [row.split("|")[1].strip() for row in table[2:]] == ["baseline.py", "opt1.py", "opt2.py", "opt3.py"]
-    assert table[2].split("|")[3].strip() == "1.00x"
+    table = [line.split("|")[1:-1] for line in result.stdout.splitlines() if line.startswith("| ")]
+    scripts = ["baseline.py", "opt1.py", "opt2.py", "opt3.py", "opt4.py"]
+    assert [cells[0].strip() for cells in table[2:]] == scripts and table[2][2].strip() == "1.00x"
     *runs, summary = [json.loads(line) for line in json_path.read_text().splitlines()]
-    assert [run["benchmark_run"] for run in runs] == ["baseline.py", "opt1.py", "opt2.py", "opt3.py"]
-    assert all(run["settings"]["compile"] is False for run in runs[1:]) and runs[0]["cpu"] == harness.cpu_name()
-    assert summary["benchmark"] == "chain" and summary["float32_peak_tflops"] > 0 and len(summary["rows"]) == 4
-    assert (summary["bf16_peak_tflops"] is not None) == (common.bfloat16_unit() is not None)
-    assert f"{summary['rows'][1]['images_per_second']:.0f}" == table[3].split("|")[2].strip()
+    # each script's own --json line at its own batch size, named by the commit and the data it ran on
+    fingerprint = harness.data_fingerprint(SimpleNamespace(synthetic=False, data_dir=tmp_path / "data"))
+    assert [run["benchmark_run"] for run in runs] == [run["script"] for run in runs] == scripts
+    assert [run["settings"]["batch_size"] for run in runs] == [64, 64, 128, 128, 128]
+    assert {(run["commit"], run["data_fingerprint"], run["device"]) for run in runs} == \
+        {(harness.git_commit(), fingerprint, "cpu")}
+    assert summary["benchmark"] == "chain" and [row["name"] for row in summary["rows"]] == scripts
+    opt1_row = summary["rows"][1]
+    assert table[3][1].strip() == f"{opt1_row['images_per_second']['all']:,.0f}"
+    assert table[3][4].strip() == f"{100 * runs[1]['final_test_accuracy']:.2f}"
+    # opt4's two epochs train at two sizes, each its first: no steady speed to show
+    assert [cell.strip() for cell in table[6][1:3]] == ["-", "-"]
 
 
 def test_benchmark_speedup_is_each_scripts_speed_over_baselines():
-    def reports(images_per_second):
-        return [{"steady_images_per_second": images_per_second, "achieved_tflops": 0.1, "steady_ms_per_step": 1.0,
-                 "warmup_seconds": 0.0, "peak_memory_bytes": 2**30, "final_test_accuracy": 0.5}]
+    def reports(images_per_second, sizes=None):
+        epochs = [{"train_seconds": 10.0, "images": 1000, "steps": 10, "image_size": size} for size in sizes or []]
+        return [{"steady_images_per_second": images_per_second, "steady_ms_per_step": 1.0, "total_seconds": 50.0,
+                 "launch_to_result_seconds": 60.0, "peak_memory_bytes": 2**30, "final_test_accuracy": 0.5,
+                 "settings": {"batch_size": 128}, "epochs": epochs or [{"train_seconds": 12.0}]}]
 
-    results = {"baseline.py": reports(100.0), "opt1.py": reports(250.0), "opt2.py": reports(50.0)}
-    rows = benchmark.markdown_table(results, peak_tflops=1.0).splitlines()[2:]
-    assert [row.split("|")[3].strip() for row in rows] == ["1.00x", "2.50x", "0.50x"]
+    results = {"baseline.py": reports(100.0), "opt1.py": reports(250.0), "opt2.py": reports(50.0),
+               "opt4.py": reports(None, sizes=[16, 16, 24, 32, 32])}
+    rows = [row.split("|")[1:-1] for row in benchmark.chain_table(results).splitlines()[2:]]
+    assert [row[2].strip() for row in rows] == ["1.00x", "2.50x", "0.50x", "-"]
+    # opt4: each size's epochs after its first; 24 px trained once, compiling, so it has none
+    assert rows[3][1].strip() == "100 at 16 px, 100 at 32 px" and rows[3][3].strip() == "1000.0 at 16 px, 1000.0 at " \
+        "32 px (128)"
+    assert [cell.strip() for cell in rows[0][4:8]] == ["50.00", "60.0", "12.0", "10.0"]
 
 
 def test_benchmark_ladder_compares_each_rung_with_the_one_it_adds_to():
@@ -1761,10 +1827,27 @@ def write_plot_fixture(folder):
     ablation = [ablation_row("shipped", "opt4 as shipped", [0.81, 0.82, 0.83], 0.6),
                 ablation_row("ema", "EMA of the weights", [0.8, 0.81, 0.82], 0.55),
                 ablation_row("ema", "EMA of the weights", [0.1, 0.1, 0.1], 0.1, synthetic=True)]
+    def gpu_run(script, flags, images_per_second, accuracy, sizes=(None,) * 3):
+        epochs = [{"train_seconds": 5.0 if epoch == 1 else 1.0, "images": 50_000, "steps": 390, "image_size": size,
+                   "test_accuracy": accuracy} for epoch, size in enumerate(sizes, start=1)]
+        steady = images_per_second if sizes[0] is None else None
+        return {"script": script, "data": "cifar10", "device": "cuda", "device_name": "Test GPU", "threads": 16,
+                "cpu": "Test CPU (AMX)", "torch": "2.11.0", "final_test_accuracy": accuracy,
+                "command": f"python {script} {flags} --epochs 3 --data-dir /tmp/c10 --device cuda --json gpu.jsonl",
+                "steady_images_per_second": steady, "steady_ms_per_step": steady and 6.4e4 / steady,
+                "total_seconds": 20.0, "launch_to_result_seconds": 30.0, "peak_memory_bytes": 2**30,
+                "settings": {"batch_size": 64 if script == "baseline.py" else 128}, "epochs": epochs}
+
+    # Three runs on a GPU, before rows recorded their commit (its folder's name has it), the first run last
+    (folder / "gpu-abc1234").mkdir()
+    gpu = [gpu_run("opt3.py", "", 40_000.0, 0.85), gpu_run("baseline.py", "", 5_000.0, 0.75),
+           gpu_run("opt4.py", "--optimizer adamw", None, 0.84, sizes=(16, 16, 32)),
+           {**gpu_run("opt3.py", "", 1.0, 0.1), "data": "synthetic"}]
+    (folder / "gpu-abc1234" / "chain.jsonl").write_text("".join(json.dumps(line) + "\n" for line in gpu))
     for name, lines in (("runs", runs), ("ladder", [ladder]), ("convergence", convergence), ("curve", curve),
                         ("seeds", seeds), ("ablation", ablation), ("muon", muon), ("muon-other-cpu", muon_other_cpu)):
         (folder / f"{name}.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    return ["--runs", folder / "runs.jsonl", "--ladder", folder / "ladder.jsonl",
+    return ["--gpu", folder / "gpu-abc1234" / "chain.jsonl", "--runs", folder / "runs.jsonl", "--ladder", folder / "ladder.jsonl",
             "--convergence", folder / "convergence.jsonl", "--curve", folder / "curve.jsonl",
             "--seeds", folder / "seeds.jsonl", "--ablation", folder / "ablation.jsonl",
             "--muon", folder / "muon.jsonl", folder / "muon-other-cpu.jsonl"]
@@ -1778,13 +1861,22 @@ def tables(tmp_path_factory):
     return result.stdout
 
 
-def test_plot_draws_the_figure_from_json_lines(tmp_path):
+def test_plot_draws_the_figures_from_json_lines(tmp_path):
     pytest.importorskip("matplotlib", reason="plot.py needs matplotlib (pip install -r requirements-dev.txt)")
     data = write_plot_fixture(tmp_path)
-    out = tmp_path / "figure.png"
-    result = run_script("plot.py", *data, "--out", out)
+    gpu, cpu = tmp_path / "figure.png", tmp_path / "cpu.png"
+    result = run_script("plot.py", *data, "--out", gpu, "--cpu-out", cpu)
     assert result.returncode == 0, result.stderr
-    assert out.read_bytes().startswith(b"\x89PNG") and 10_000 < out.stat().st_size < 200_000
+    for out in (gpu, cpu):
+        assert out.read_bytes().startswith(b"\x89PNG") and 10_000 < out.stat().st_size < 200_000
+
+
+def test_plot_tables_the_gpu_runs_in_the_chains_order_with_their_commit(tables):
+    assert "Test GPU, 16 threads of an Test CPU (AMX), torch 2.11.0, commit abc1234:" in tables
+    assert "| baseline.py | 5,000 | 1.00x | 12.8 (64) | 75.00 | 30.0 | 5.0 | 10.0 | 1.00 |" in tables
+    assert "| opt3.py | 40,000 | 8.00x | 1.6 (128) | 85.00 | 30.0 | 5.0 | 10.0 | 1.00 |" in tables
+    assert "| opt4.py --optimizer adamw | 50,000 at 16 px | - | 2.6 at 16 px (128) | 84.00 |" in tables
+    assert tables.index("| baseline.py |") < tables.index("| opt3.py |") < tables.index("| opt4.py --optimizer")
 
 
 def test_plot_draws_and_tables_a_ladder_from_a_cpu_without_a_bfloat16_unit(tmp_path):
@@ -1797,7 +1889,8 @@ def test_plot_draws_and_tables_a_ladder_from_a_cpu_without_a_bfloat16_unit(tmp_p
     tables = run_script("plot.py", "--tables", *data)
     assert tables.returncode == 0, tables.stderr
     assert "| opt3 | 300 | 1000.0 | 0.5 | 1.00 | 0.450 | n/a |" in tables.stdout
-    assert run_script("plot.py", *data, "--out", tmp_path / "figure.png").returncode == 0
+    assert run_script("plot.py", *data, "--out", tmp_path / "figure.png", "--cpu-out", tmp_path / "cpu.png"
+                      ).returncode == 0
 
 
 def test_plot_tables_print_the_latest_real_data_run_of_each_script(tables):
@@ -1890,7 +1983,8 @@ def test_plot_without_matplotlib_says_how_to_install_it(tmp_path):
     data = write_plot_fixture(tmp_path)
     hide_matplotlib = "import runpy, sys; sys.modules['matplotlib'] = None; sys.argv = sys.argv[1:]; " \
                       "runpy.run_path('plot.py', run_name='__main__')"
-    result = run_script("-c", hide_matplotlib, "plot.py", *data, "--out", tmp_path / "figure.png")
+    result = run_script("-c", hide_matplotlib, "plot.py", *data, "--out", tmp_path / "figure.png",
+                        "--cpu-out", tmp_path / "cpu.png")
     assert result.returncode == 2 and result.stderr.count("\n") == 1
     assert "pip install matplotlib" in result.stderr
 
