@@ -145,7 +145,8 @@ def medians(results, peak_tflops):
 
 def steady_by_size(report):
     """{image size: (images/s, ms/step)} of the steady epochs: epochs 2 on, or where the size changes (opt4), each
-    size's epochs after its first (a size trained one epoch only, compiling, is left out); "all": one size throughout."""
+    size's epochs after its first (a size trained one epoch only, compiling, is left out); "all": one size
+    throughout."""
     if report["steady_images_per_second"] is not None:
         return {"all": (report["steady_images_per_second"], report["steady_ms_per_step"])}
     seen, totals = set(), {}
@@ -182,7 +183,8 @@ def chain_rows(results):
 
 def per_size(values, spec):
     """One figure, or one per image size: "15,608 at 16 px, 15,812 at 24 px"."""
-    return ", ".join(format(value, spec) + (f" at {size} px" if size != "all" else "") for size, value in values.items()) or "-"
+    figures = [format(value, spec) + (f" at {size} px" if size != "all" else "") for size, value in values.items()]
+    return ", ".join(figures) or "-"
 
 
 def chain_table(results):
@@ -235,10 +237,11 @@ def main():
     with tempfile.TemporaryDirectory() as folder:
         for round_number in range(1, args.repeats + 1):
             for run_number, (name, script, flags) in enumerate(runs):
+                print(f"round {round_number}/{args.repeats} {name}: ", end="", flush=True)  # runs take minutes
                 report = run_once(script, flags, args, Path(folder) / f"{run_number}.{round_number}.json")
                 results[name].append(report)
                 speeds = {size: speed for size, (speed, _) in steady_by_size(report).items()}
-                print(f"round {round_number}/{args.repeats} {name}: {per_size(speeds, ',.0f')} img/s, test acc "
+                print(f"{per_size(speeds, ',.0f')} img/s, test acc "
                       f"{100 * report['final_test_accuracy']:.2f}%, {report['launch_to_result_seconds']:.0f} s from "
                       f"launch to result", flush=True)
                 if args.json:

@@ -62,8 +62,9 @@ def parse_args():
 
 
 def gpu_runs(paths):
-    """{name: [report]} of every real-data GPU run in `paths`, file by file, each file's in the chain's order: the script and the flags it was given
-    beyond the data, device, epochs and JSON, and "warm cache" where the file's name says its compiler cache was.
+    """{name: [report]} of every real-data GPU run in `paths`, file by file, each file's in the chain's order. A name
+    is the script and the flags it was given beyond the data, device, epochs and JSON, and "warm cache" where the
+    file's name says its compiler cache was.
     A row without its commit takes it from its folder's name (results/h200-410ebec/: commit 410ebec)."""
     runs = {}
     for path in paths:
@@ -135,7 +136,8 @@ def draw_gpu(runs, out, words):
             time_axis.barh(index, row[field], left=left, color=color, label=label if index == 0 else None)
             left += row[field]
         rest = row["launch_to_result_seconds"] - left
-        time_axis.barh(index, rest, left=left, color="tab:blue", label="the other epochs (opt4: compiling at each new size)" if index == 0 else None)
+        time_axis.barh(index, rest, left=left, color="tab:blue",
+                       label="the other epochs (opt4: compiling at each new size)" if index == 0 else None)
         time_axis.text(row["launch_to_result_seconds"] + 0.5, index, f"{100 * row['test_accuracy']:.2f} %",
                        va="center", fontsize=8)
     time_axis.set_yticks(range(len(rows)), [row["name"].replace(".py", "") for row in rows], fontsize=8)
