@@ -149,16 +149,24 @@ def cifar10(data_dir, train, transform):
 
 
 def load_data(args, train_transform, test_transform):
-    """The training and test sets the flags ask for, cut to --train-size / --test-size."""
+    """The training and test sets the flags ask for, cut to --train-size / --test-size. With --validation N the last N
+    training images take the test set's place (with its transform), and training has the rest."""
+    held_out = getattr(args, "validation", 0)
     if args.synthetic:
         print("synthetic data: accuracy only shows that the loop learns; it says nothing about CIFAR-10")
-        train_size = min(args.train_size or CIFAR10_TRAIN_SIZE, CIFAR10_TRAIN_SIZE)
+        train_size = min((args.train_size or CIFAR10_TRAIN_SIZE) + held_out, CIFAR10_TRAIN_SIZE)
         test_size = min(args.test_size or CIFAR10_TEST_SIZE, CIFAR10_TEST_SIZE)
         train_set = synthetic_cifar10(train_size, train=True, transform=train_transform)
         test_set = synthetic_cifar10(test_size, train=False, transform=test_transform)
     else:
         train_set = cifar10(args.data_dir, train=True, transform=train_transform)
         test_set = cifar10(args.data_dir, train=False, transform=test_transform)
+    if held_out:
+        if held_out >= len(train_set):
+            fail(f"--validation {held_out} leaves no training images of the {len(train_set)}; hold out fewer")
+        print(f"validation: scoring on the last {held_out} training images, held out from training, not the test set")
+        test_set.data, test_set.targets = train_set.data[-held_out:], train_set.targets[-held_out:]
+        train_set.data, train_set.targets = train_set.data[:-held_out], train_set.targets[:-held_out]
     for name, dataset, size in (("train", train_set, args.train_size), ("test", test_set, args.test_size)):
         if size is not None and size > len(dataset):
             fail(f"--{name}-size {size} is larger than the {len(dataset)} {name} images; use at most that")

@@ -4,6 +4,7 @@ not open this file to learn it.
 """
 import argparse
 import contextlib
+import copy
 import datetime
 import functools
 import hashlib
@@ -100,6 +101,10 @@ def build_parser(description, batch_size, lr):
         help="train on the first N training images only (default: all 50,000)")
     add("--test-size", type=positive_int, default=None,
         help="evaluate on the first N test images only (default: all 10,000)")
+    add("--validation", metavar="N", type=non_negative_int, default=0,
+        help="hold out the last N training images and score on them instead of the test set, to choose settings "
+             "without looking at it; --train-size and --test-size then cut the rest and the held-out images "
+             "(default: 0, off)")
     add("--json", metavar="PATH", default=None,
         help="append one JSON line with the settings and every reported figure (default: off)")
     add("--save", metavar="PATH", default=None, help="save the final weights (a state_dict) here (default: off)")
@@ -111,7 +116,7 @@ def build_parser(description, batch_size, lr):
 
 def check_args(args, images_per_step):
     """Settings that argparse cannot check alone; returns args."""
-    train_size = args.train_size or common.CIFAR10_TRAIN_SIZE
+    train_size = args.train_size or common.CIFAR10_TRAIN_SIZE - args.validation
     if train_size < images_per_step:
         fail(f"--train-size {train_size} is smaller than one optimizer step ({images_per_step} images); "
              f"use a larger --train-size or a smaller --batch-size")
@@ -351,13 +356,45 @@ def peak_memory_bytes(device):
     return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
 
 
-def training_flops_per_image():
-    """FLOPs of one forward and backward pass of ResNet10 per image (optimizer update not counted)."""
+@functools.cache
+def training_flops_per_image(size=32):
+    """FLOPs of one forward and backward pass of ResNet10 per image of size x size (optimizer update not counted)."""
     model = common.ResNet10()
-    images = torch.randn(2, 3, 32, 32)
+    images = torch.randn(2, 3, size, size)
     with FlopCounterMode(display=False) as counter:
         F.cross_entropy(model(images), torch.tensor([0, 1])).backward()
     return counter.get_total_flops() / len(images)
+
+
+def update_flops(optimizer):
+    """FLOPs of one step of `optimizer` (its matmuls: FlopCounterMode counts no elementwise op), counted on a copy of
+    it and its parameters, every gradient 1: the run's own weights do not move."""
+    # every attribute copied (copy.deepcopy of an optimizer keeps only its state and groups, losing a subclass's own)
+    optimizer, original = object.__new__(type(optimizer)), optimizer
+    optimizer.__dict__.update(copy.deepcopy(original.__dict__))
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            parameter.grad = torch.ones_like(parameter)
+    with FlopCounterMode(display=False) as counter:
+        optimizer.step()
+    return counter.get_total_flops()
+
+
+# A GPU's training time, modelled (how the recipe work is counted): each optimizer step takes its FLOPs at the
+# 240 TFLOP/s opt3 reached on an H200 at batch 1,024, but no less than 1.2 ms, the per-step floor of a step
+# captured whole (results/README.md, "On one GPU")
+H200_FLOPS_PER_SECOND, H200_STEP_SECONDS = 240e12, 1.2e-3
+
+
+def count_work(records, step_update_flops):
+    """Add each epoch's training FLOPs (forward, backward and update, at its image size) and its modelled H200
+    seconds to its record; returns both summed over the run."""
+    for record in records:
+        images_per_step = record["images"] / record["steps"]
+        step_flops = images_per_step * training_flops_per_image(record.get("image_size") or 32) + step_update_flops
+        record["training_flops"] = record["steps"] * step_flops
+        record["modelled_h200_seconds"] = record["steps"] * max(H200_STEP_SECONDS, step_flops / H200_FLOPS_PER_SECOND)
+    return {name: sum(record[name] for record in records) for name in ("training_flops", "modelled_h200_seconds")}
 
 
 @contextlib.contextmanager
@@ -507,13 +544,15 @@ def summarize(records, total_seconds, peak_memory, flops_per_image):
     return summary
 
 
-def report(script, args, device, records, total_seconds, extra=None):
-    """Print the run's summary and, with --json, append it with every setting and epoch."""
+def report(script, args, device, records, total_seconds, optimizer, extra=None):
+    """Print the run's summary and, with --json, append it with every setting and epoch (the optimizer's last
+    learning rate, and each epoch's FLOPs and modelled H200 time, included)."""
     # The clock started just before the first epoch's first step: what came before it is setup (imports, checks,
     # data, model, schedule)
     setup_seconds = seconds_since_launch() - total_seconds
     summary = summarize(records, total_seconds, peak_memory_bytes(device), training_flops_per_image())
     summary["setup_seconds"] = setup_seconds
+    summary.update(count_work(records, update_flops(optimizer)), final_lr=float(optimizer.param_groups[0]["lr"]))
     memory_kind = "GPU max allocated" if device.type == "cuda" else "CPU peak RSS"
     peak = summary["peak_memory_bytes"]
     memory = f"{peak / 2**30:.2f} GiB ({memory_kind})" if peak is not None else "not measured on this system"

@@ -397,18 +397,11 @@ def muon_update_flops(steps):
     """FLOPs of one step of opt4's Muon on ResNet10 with `steps` Newton-Schulz steps, counted by torch's
     FlopCounterMode."""
     import torch
-    from torch.utils.flop_counter import FlopCounterMode
     import opt4
-    model = common.ResNet10()
-    for parameter in model.parameters():
-        parameter.grad = torch.ones_like(parameter)
-    parameters, cpu = list(model.parameters()), torch.device("cpu")
+    parameters, cpu = list(common.ResNet10().parameters()), torch.device("cpu")
     others = opt4.adamw([parameter for parameter in parameters if parameter.ndim != 4], 1e-3, cpu)
-    optimizer = opt4.Muon([parameter for parameter in parameters if parameter.ndim == 4], others, dtype=torch.float32,
-                          steps=steps)
-    with FlopCounterMode(display=False) as counter:
-        optimizer.step()
-    return counter.get_total_flops()
+    return harness.update_flops(opt4.Muon([parameter for parameter in parameters if parameter.ndim == 4], others,
+                                          dtype=torch.float32, steps=steps))
 
 
 def opt3_default_minutes(runs):

@@ -122,9 +122,11 @@ EVAL_TRANSFORM = {"baseline.py": common.plain_transform, "opt1.py": common.plain
                   "opt2.py": common.normalized_transform, "opt3.py": None}
 SUMMARY_FIELDS = {"total_seconds", "launch_to_result_seconds", "warmup_seconds", "steady_images_per_second",
                   "steady_ms_per_step", "achieved_tflops", "final_test_accuracy", "peak_memory_bytes",
-                  "training_flops_per_image", "final_lr", "script", "device", "torch", "data", "settings", "epochs"}
+                  "training_flops_per_image", "final_lr", "script", "device", "torch", "data", "settings", "epochs",
+                  "commit", "data_fingerprint", "setup_seconds", "training_flops", "modelled_h200_seconds"}
 EPOCH_FIELDS = {"epoch", "train_loss", "train_accuracy", "test_loss", "test_accuracy", "train_seconds",
-                "images_per_second", "ms_per_step", "steps", "images", "launch_seconds"}
+                "images_per_second", "ms_per_step", "steps", "images", "launch_seconds", "training_flops",
+                "modelled_h200_seconds"}
 
 
 @pytest.mark.floor
@@ -731,6 +733,52 @@ def test_resnet10_shape_and_flop_count():
     assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
     # Forward is ~0.25 GMAC = 0.5 GFLOP per image; backward costs about twice the forward.
     assert 1.3e9 < harness.training_flops_per_image() < 1.7e9
+
+
+def test_each_epochs_work_is_counted_at_its_size_and_batch_and_modelled_on_an_h200():
+    update = plot.muon_update_flops(3)
+    assert update == pytest.approx(27.3e9, rel=0.01)  # Newton-Schulz on the 12 filters, results/README.md
+    at = {size: harness.training_flops_per_image(size) for size in (16, 24, 32)}
+    assert at[16] == pytest.approx(at[32] / 4, rel=0.01) and at[24] == pytest.approx(at[32] * 9 / 16, rel=0.01)
+    # opt4's defaults: 390 steps of 128 images an epoch at 16, 16, 24, 24, 32 px; each step under the 1.2 ms floor
+    records = [{"image_size": size, "steps": 390, "images": 390 * 128} for size in (16, 16, 24, 24, 32)]
+    work = harness.count_work(records, update)
+    assert work["modelled_h200_seconds"] == pytest.approx(1950 * 1.2e-3)
+    assert records[4]["training_flops"] == pytest.approx(390 * (128 * at[32] + update))
+    # A 32-px epoch at batch 512 is over the floor: 97 steps of its FLOPs at 240 TFLOP/s
+    big = [{"steps": 97, "images": 97 * 512}]
+    assert harness.count_work(big, update)["modelled_h200_seconds"] == pytest.approx(97 * (512 * at[32] + update)
+                                                                                    / 240e12)
+
+
+def test_the_update_is_counted_on_a_copy_and_the_runs_weights_do_not_move():
+    model = common.ResNet10()
+    parameters = list(model.parameters())
+    optimizer = opt4.Muon([p for p in parameters if p.ndim == 4], opt4.adamw([p for p in parameters if p.ndim != 4],
+                          1e-3, CPU), dtype=torch.float32, steps=3)
+    before = [parameter.detach().clone() for parameter in parameters]
+    assert harness.update_flops(optimizer) > 0 and all(parameter.grad is None for parameter in parameters)
+    assert all(torch.equal(old, parameter) for old, parameter in zip(before, parameters))
+    assert all(not state for state in optimizer.adamw.state.values()), "the run's optimizer took no step"
+    assert harness.update_flops(torch.optim.SGD(parameters, lr=0.1)) == 0  # elementwise: FlopCounterMode counts none
+
+
+def test_validation_holds_out_the_last_training_images_in_the_test_sets_place(tmp_path, monkeypatch, capsys):
+    write_tiny_cifar10(tmp_path)  # 100 training images, 30 test
+    monkeypatch.setattr(torchvision.datasets.CIFAR10, "_check_integrity", lambda self: True)
+    monkeypatch.setattr(torchvision.datasets.cifar, "check_integrity", lambda path, md5=None: os.path.isfile(path))
+    args = SimpleNamespace(synthetic=False, data_dir=str(tmp_path), train_size=None, test_size=None, validation=0)
+    every_image, _ = common.load_data(args, None, None)
+    args.validation, args.train_size = 40, 50
+    train_set, validation_set = common.load_data(args, None, common.plain_transform)
+    assert "scoring on the last 40 training images" in capsys.readouterr().out
+    assert np.array_equal(validation_set.data, every_image.data[-40:]) and len(train_set) == 50
+    assert validation_set.targets == every_image.targets[-40:] and validation_set.transform is common.plain_transform
+    assert np.array_equal(train_set.data, every_image.data[:50])
+    args.validation = 100
+    with pytest.raises(SystemExit) as exit_info:
+        common.load_data(args, None, None)
+    assert exit_info.value.code == 2 and "--validation 100 leaves no training images" in capsys.readouterr().err
 
 
 def test_synthetic_data_is_deterministic_and_shares_class_images():
@@ -1344,7 +1392,7 @@ def test_opt4_trains_each_epoch_on_its_image_size_and_evaluates_all_test_images_
         images.clear()
     json_path, weights = tmp_path / "result.json", tmp_path / "weights.pt"
     monkeypatch.setattr(common, "ResNet10", SizeRecordingResNet10)
-    monkeypatch.setattr(harness, "training_flops_per_image", lambda: 1.0)  # it would run a ResNet10 of its own
+    monkeypatch.setattr(harness, "training_flops_per_image", lambda size=32: 1.0)  # it would run a ResNet10 of its own
     evaluated, real_evaluate = [], opt4.evaluate
     monkeypatch.setattr(opt4, "evaluate", lambda run, test_data, size: evaluated.append(test_data) or
                         real_evaluate(run, test_data, size))
