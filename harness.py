@@ -544,9 +544,10 @@ def summarize(records, total_seconds, peak_memory, flops_per_image):
     return summary
 
 
-def report(script, args, device, records, total_seconds, optimizer, extra=None):
+def report(script, run, records, total_seconds):
     """Print the run's summary and, with --json, append it with every setting and epoch (the optimizer's last
-    learning rate, and each epoch's FLOPs and modelled H200 time, included)."""
+    learning rate, each epoch's FLOPs and modelled H200 time, and opt5's number of processes included)."""
+    args, device, optimizer = run.args, run.device, run.optimizer
     # The clock started just before the first epoch's first step: what came before it is setup (imports, checks,
     # data, model, schedule)
     setup_seconds = seconds_since_launch() - total_seconds
@@ -584,7 +585,7 @@ def report(script, args, device, records, total_seconds, optimizer, extra=None):
             "commit": git_commit(),
             "settings": vars(args),
             **summary,
-            **(extra or {}),
+            **({"world_size": run.world_size} if hasattr(run, "world_size") else {}),
             "epochs": records,
         }
         with open(args.json, "a") as file:

@@ -166,7 +166,7 @@ def main():
             train_seconds = common.now(device) - epoch_start
         test_figures = evaluate(run, test_loader)
         harness.record_epoch(records, train_figures, test_figures, train_seconds)
-    harness.report(__file__, args, device, records, common.now(device) - start, optimizer)
+    harness.report(__file__, run, records, common.now(device) - start)
     if args.save:
         torch.save(model.state_dict(), args.save)
 

@@ -456,7 +456,7 @@ def main():
         test_figures = evaluate(run, evaluated, size)
         harness.record_epoch(records, train_figures, test_figures, train_seconds, image_size=size,
                             test_images=len(evaluated[1]))
-    harness.report(__file__, args, device, records, common.now(device) - start, optimizer)
+    harness.report(__file__, run, records, common.now(device) - start)
     if args.save:
         torch.save(model.state_dict(), args.save)
 

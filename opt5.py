@@ -588,8 +588,7 @@ def train(args, rank, world_size, device):
                             test_images=len(evaluated[1]))
     if rank != 0:
         return  # opt5: rank 0 alone writes the report, the weights and the trace
-    harness.report(__file__, args, device, records, common.now(device) - start, optimizer,
-                  extra={"world_size": world_size})
+    harness.report(__file__, run, records, common.now(device) - start)
     if args.save:
         torch.save(model.state_dict(), args.save)
 
