@@ -13,6 +13,7 @@ training scripts do not).
 """
 import argparse
 import json
+import re
 import shlex
 import statistics
 import subprocess
@@ -94,15 +95,27 @@ def gpu_words(runs):
         f"commit {first['commit']}"
 
 
+# The call that writes a run's report: a script changed in it alone trains as it did
+REPORT_CALL = re.compile(r"harness\.report\(|^\s+extra=\{")
+
+
 def changed_since(commit, scripts):
-    """The scripts whose code differs from `commit`'s, by git (common.py and harness.py not counted: they hold no
-    optimization); None where git or the commit is not at hand."""
-    try:
-        changed = subprocess.run(["git", "diff", "--name-only", commit, "--", *scripts], capture_output=True,
-                                 text=True, cwd=Path(__file__).resolve().parent, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return changed.stdout.split() if changed.returncode == 0 else None
+    """The scripts whose code differs from `commit`'s in more than their report call, by git (common.py and
+    harness.py not counted: they hold no optimization); None where git or the commit is not at hand."""
+    changed = []
+    for script in scripts:
+        try:
+            diff = subprocess.run(["git", "diff", "-U0", commit, "--", script], capture_output=True, text=True,
+                                  cwd=Path(__file__).resolve().parent, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        if diff.returncode != 0:
+            return None
+        lines = [line[1:] for line in diff.stdout.splitlines()
+                 if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+        if any(not REPORT_CALL.search(line) for line in lines):
+            changed.append(script)
+    return changed
 
 
 def draw_gpu(runs, out, words):
