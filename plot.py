@@ -52,6 +52,9 @@ def parse_args():
     parser.add_argument("--muon", nargs="+", default=["results/muon.jsonl", "results/muon-xeon-amx.jsonl"],
                         help="real-data runs of opt3.py and of opt4.py with each --optimizer, one file per CPU "
                              "(default: results/muon.jsonl results/muon-xeon-amx.jsonl)")
+    parser.add_argument("--recipe", default="results/recipe.jsonl",
+                        help="runs of the recipe work: opt4 with the flags tried, scored on held-out training images "
+                             "(--validation) or the test set, for --tables (default: results/recipe.jsonl)")
     parser.add_argument("--ablation", default="results/ablation.jsonl",
                         help="ablation.py's rows, for --tables (default: results/ablation.jsonl)")
     parser.add_argument("--out", default="results/chain.png",
@@ -293,6 +296,27 @@ def timed_runs_table(runs, reference_minutes):
         share = harness.shown(reference_minutes and minutes / reference_minutes, ".0%")
         lines.append(f"| `{run['script']}` | `{flags(run)}` | {sizes} | {100 * run['final_test_accuracy']:.1f} "
                      f"| {minutes:.1f} | {share} |")
+    return lines
+
+
+def size_runs(run):
+    """The run's image sizes, each with its number of epochs: "16 x7, 24 x7, 32 x6"."""
+    sizes = [record.get("image_size") or 32 for record in run["epochs"]]
+    counts = {size: sizes.count(size) for size in sizes}
+    return ", ".join(f"{size} x{count}" for size, count in counts.items())
+
+
+def recipe_table(runs):
+    """Markdown lines: each run of the recipe work with its flags, sizes, steps, FLOPs and modelled H200 seconds
+    (harness.count_work), what it was scored on and how long it took on its CPU."""
+    lines = ["| flags | image sizes x epochs | steps | training PFLOP | modelled H200 s | scored on | acc % "
+             "| launch to result min (CPU) |", "|---|---|---|---|---|---|---|---|"]
+    for run in runs:
+        held_out = run["settings"].get("validation")
+        scored_on = f"validation ({held_out:,})" if held_out else f"test ({run['epochs'][-1]['test_images']:,})"
+        lines.append(f"| `{flags(run)}` | {size_runs(run)} | {sum(record['steps'] for record in run['epochs'])} "
+                     f"| {run['training_flops'] / 1e15:.2f} | {run['modelled_h200_seconds']:.2f} | {scored_on} "
+                     f"| {100 * run['final_test_accuracy']:.2f} | {run['launch_to_result_seconds'] / 60:.1f} |")
     return lines
 
 
@@ -572,6 +596,7 @@ def main():
     if args.tables:
         seeds = convergence_runs(read_lines(args.seeds))
         print(f"{gpu_words(gpu)}:\n\n{benchmark.chain_table(gpu)}\n")
+        print("\n".join(["Recipe runs:", "", *recipe_table(read_lines(args.recipe)), ""]))
         print(markdown_tables(runs, ladder, convergence, curve, seeds, ablation_rows(read_lines(args.ablation)), muon))
         return
     try:

@@ -1893,10 +1893,19 @@ def write_plot_fixture(folder):
            gpu_run("opt4.py", "--optimizer adamw", None, 0.84, sizes=(16, 16, 32)),
            {**gpu_run("opt3.py", "", 1.0, 0.1), "data": "synthetic"}]
     (folder / "gpu-abc1234" / "chain.jsonl").write_text("".join(json.dumps(line) + "\n" for line in gpu))
+    recipe = [{**timed_run("opt4.py", "--epochs 3 --batch-size 512 --validation 5000", [16, 16, 32], [5, 10, 30.0],
+                           0.9, validation=5000), "training_flops": 2.5e15, "modelled_h200_seconds": 1.234},
+              {**timed_run("opt4.py", "--epochs 2", [16, 32], [5, 12.0], 0.85, validation=0),
+               "training_flops": 1e15, "modelled_h200_seconds": 0.5}]
+    recipe[0]["epochs"][-1]["test_images"], recipe[1]["epochs"][-1]["test_images"] = 5000, 10000
+    for record in recipe[0]["epochs"] + recipe[1]["epochs"]:
+        record["steps"] = 390
+    (folder / "recipe.jsonl").write_text("".join(json.dumps(line) + "\n" for line in recipe))
     for name, lines in (("runs", runs), ("ladder", [ladder]), ("convergence", convergence), ("curve", curve),
                         ("seeds", seeds), ("ablation", ablation), ("muon", muon), ("muon-other-cpu", muon_other_cpu)):
         (folder / f"{name}.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    return ["--gpu", folder / "gpu-abc1234" / "chain.jsonl", "--runs", folder / "runs.jsonl",
+    return ["--gpu", folder / "gpu-abc1234" / "chain.jsonl", "--recipe", folder / "recipe.jsonl",
+            "--runs", folder / "runs.jsonl",
             "--ladder", folder / "ladder.jsonl",
             "--convergence", folder / "convergence.jsonl", "--curve", folder / "curve.jsonl",
             "--seeds", folder / "seeds.jsonl", "--ablation", folder / "ablation.jsonl",
@@ -1919,6 +1928,13 @@ def test_plot_draws_the_figures_from_json_lines(tmp_path):
     assert result.returncode == 0, result.stderr
     for out in (gpu, cpu):
         assert out.read_bytes().startswith(b"\x89PNG") and 10_000 < out.stat().st_size < 200_000
+
+
+def test_plot_tables_the_recipe_runs_with_their_work_and_what_scored_them(tables):
+    # the validation run: 3 epochs of 390 steps (the fixture's), its sizes counted, scored on the held-out images
+    assert "| `--epochs 3 --batch-size 512 --validation 5000` | 16 x2, 32 x1 | 1170 | 2.50 | 1.23 | validation " \
+           "(5,000) | 90.00 | 30.0 |" in tables
+    assert "| `--epochs 2` | 16 x1, 32 x1 | 780 | 1.00 | 0.50 | test (10,000) | 85.00 | 12.0 |" in tables
 
 
 def test_plot_tables_the_gpu_runs_in_the_chains_order_with_their_commit(tables):
@@ -2126,7 +2142,8 @@ def test_readme_cpu_figures_are_the_measured_data():
 def test_results_page_tables_are_plots_from_the_data():
     results_page = (ROOT / "results/README.md").read_text()
     gpu = plot.gpu_runs([ROOT / path for path in plot.GPU_RUNS])
-    for line in [f"{plot.gpu_words(gpu)}:", *benchmark.chain_table(gpu).splitlines()]:
+    for line in [f"{plot.gpu_words(gpu)}:", *benchmark.chain_table(gpu).splitlines(),
+                 *plot.recipe_table(json_lines("recipe.jsonl"))]:
         assert line in results_page, line
     runs = {run["script"]: run for run in json_lines("chain-5-epochs.jsonl") if run["data"] == "cifar10"}
     for script, run in runs.items():
