@@ -75,14 +75,9 @@ def gpu_runs(paths):
         for run in sorted(read_lines(path), key=lambda run: CHAIN_ORDER.get(run.get("script"), len(CHAIN_ORDER))):
             if run.get("data") != "cifar10" or run.get("device", "").split(":")[0] != "cuda":
                 continue
-            words, shown_words = shlex.split(run["command"])[2:], []
-            while words:
-                word = words.pop(0)
-                if word in ("--data-dir", "--json", "--device", "--epochs"):
-                    words.pop(0)
-                else:
-                    shown_words.append(word)
-            name = " ".join([run["script"], *shown_words]) + (", warm cache" if "warm" in Path(path).name else "")
+            shown = flags(run, dropped=("--data-dir", "--json", "--device", "--epochs"))
+            name = " ".join([run["script"], *([] if shown == "(defaults)" else [shown])]) + \
+                (", warm cache" if "warm" in Path(path).name else "")
             # rows from before the scripts recorded their commit have it in their folder's name: h200-410ebec/
             runs.setdefault(name, []).append({"commit": Path(path).parent.name.rpartition("-")[2], **run})
     if not runs:
@@ -200,12 +195,13 @@ def convergence_runs(lines):
     return runs
 
 
-def flags(run):
-    """The run's command-line flags, less where the data and the JSON went."""
+def flags(run, dropped=("--data-dir", "--json")):
+    """The run's command-line flags, less the `dropped` ones and their values (by default where the data and the JSON
+    went)."""
     words, shown_words = shlex.split(run["command"])[2:], []
     while words:
         word = words.pop(0)
-        if word in ("--data-dir", "--json"):
+        if word in dropped:
             words.pop(0)
         else:
             shown_words.append(word)
