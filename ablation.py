@@ -1,16 +1,16 @@
 """ablation.py: opt4 with one technique switched per row, each row its own run, as data.
 
-    python ablation.py --data-dir ./data                 # every row on CIFAR-10: ~9 runs of opt4 -> results/ablation.jsonl
+    python ablation.py --data-dir ./data --epochs 5 --batch-size 128 --lr 0.008   # the 9 rows of results/ablation.jsonl
     python ablation.py --rows shipped ema --synthetic --epochs 2 --train-size 2048 --json /tmp/ablation.jsonl
-    python plot.py --tables                              # the table, with the other results
+    python plot.py --tables                                                        # the table, with the other results
 
 Each row runs opt4.py's own main() in a fresh process (launched as this one was) with one change applied from
 outside, so opt4.py keeps only what earns its place. After training, every row scores its final weights on the
 whole test set from 1 view per image, 2 (the image and its mirror: opt4's own evaluation) and 6 (both also
 shifted one pixel up-left and down-right: flip + translate test-time augmentation). Any flag not listed below is
 opt4.py's (see `python opt4.py --help`) and goes to every row; the rows train with AdamW (--optimizer adamw), as
-they were measured, unless the flags say --optimizer muon. The rows run one after another: time them with
-nothing else running on the machine.
+they were measured (at opt4's defaults of then: 5 epochs of batch 128 at lr 0.008, as the first line above), unless
+the flags say --optimizer muon. The rows run one after another: time them with nothing else running on the machine.
 """
 import argparse
 import json

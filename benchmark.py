@@ -4,10 +4,11 @@
     python benchmark.py --ladder --device cuda --train-size 50000 --test-size 10000 --epochs 3
 
 The chain (the default): baseline.py, opt1.py, ... opt4.py one after the other, each at its own defaults (batch,
-learning rate, 5 epochs) on real data, each in its own process: what `python optN.py` gives you. The table has its
-steady images/s (epochs 2 on; per image size for opt4), the speedup over baseline.py's, its test accuracy, the seconds
-from launch to result, the first epoch's seconds (compiling included) and the seconds before the first step. With
---json every script's own --json line is appended (the rows results/ holds), then one line with the table.
+learning rate, epochs: 5, and opt4's recipe 20) on real data, each in its own process: what `python optN.py` gives
+you. The table has its steady images/s (epochs 2 on; per image size for opt4), the speedup over baseline.py's, its
+test accuracy, the seconds from launch to result, the first epoch's seconds (compiling included) and the seconds
+before the first step. With --json every script's own --json line is appended (the rows results/ holds), then one
+line with the table.
 
 The ladder (--ladder): what each optimization buys in speed alone. Every rung gets the same settings (batch 128, 2
 epochs of 2,048 generated images unless told), each rung one more group of optimizations switched on by the scripts'
@@ -61,7 +62,7 @@ def parse_args():
     add("--scripts", nargs="+", default=SCRIPTS, help=f"the chain's scripts, in order (default: {' '.join(SCRIPTS)})")
     add("--repeats", type=harness.positive_int, default=None, help="rounds over all runs (default: chain 1, ladder 3)")
     add("--epochs", type=int, default=None,
-        help="epochs per run; steady state needs 2 or more (default: chain each script's own, 5; ladder 2)")
+        help="epochs per run; steady state needs 2 or more (default: chain each script's own, 5, opt4 20; ladder 2)")
     add("--batch-size", type=harness.positive_int, default=None,
         help="the same for every run (default: chain each script's own; ladder 128)")
     add("--train-size", type=harness.positive_int, default=None,

@@ -83,11 +83,11 @@ def positive_float(text):
     return value
 
 
-def build_parser(description, batch_size, lr):
+def build_parser(description, batch_size, lr, epochs=5):
     """The flags every script has; a script adds its own and passes its defaults."""
     parser = ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
-    add("--epochs", type=positive_int, default=5, help="passes over the training set (default: 5)")
+    add("--epochs", type=positive_int, default=epochs, help=f"passes over the training set (default: {epochs})")
     add("--batch-size", type=positive_int, default=batch_size,
         help=f"images per training step (default: {batch_size})")
     add("--lr", type=positive_float, default=lr, help=f"learning rate (default: {lr})")

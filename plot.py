@@ -316,6 +316,27 @@ def recipe_table(runs):
     return lines
 
 
+# opt4's defaults since the recipe work (issue 47); a test checks opt4.py's parser gives them
+RECIPE = {"epochs": 20, "batch_size": 512, "lr": 0.016}
+
+
+def recipe_summary(runs):
+    """One line: what opt4's defaults (RECIPE) scored on the whole test set, the mean over its seeds and each seed's,
+    and its modelled H200 seconds; [] before any such run."""
+    finals = sorted((run for run in runs if not run["settings"].get("validation") and run["epochs"][-1]["test_images"]
+                     == common.CIFAR10_TEST_SIZE and all(run["settings"].get(name) == value
+                                                         for name, value in RECIPE.items())),
+                    key=lambda run: run["settings"]["seed"])
+    if not finals:
+        return []
+    accuracies = [100 * run["final_test_accuracy"] for run in finals]
+    each = ", ".join(f"{accuracy:.2f}" for accuracy in accuracies)
+    seeds = ", ".join(str(run["settings"]["seed"]) for run in finals)
+    return [f"opt4's defaults (the recipe) on the test set: **{statistics.mean(accuracies):.2f} %**, the mean of "
+            f"{len(finals)} seed{'s' * (len(finals) > 1)} ({seeds}: {each}), in "
+            f"{statistics.mean(run['modelled_h200_seconds'] for run in finals):.2f} modelled H200 seconds"]
+
+
 def curve_points(runs, script):
     """(launch-to-result minutes, final test accuracy %, epochs) of each run of `script` (or of a `variant`), fastest
     first."""
@@ -592,7 +613,8 @@ def main():
     if args.tables:
         seeds = convergence_runs(read_lines(args.seeds))
         print(f"{gpu_words(gpu)}:\n\n{benchmark.chain_table(gpu)}\n")
-        print("\n".join(["Recipe runs:", "", *recipe_table(read_lines(args.recipe)), ""]))
+        recipe = read_lines(args.recipe)
+        print("\n".join(["Recipe runs:", "", *recipe_table(recipe), "", *recipe_summary(recipe), ""]))
         print(markdown_tables(runs, ladder, convergence, curve, seeds, ablation_rows(read_lines(args.ablation)), muon))
         return
     try:
