@@ -14,6 +14,7 @@ import shlex
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -1620,13 +1621,14 @@ def test_benchmark_measures_the_chain_by_the_readmes_command_on_a_cpu(tmp_path):
     # The README's command, then what makes it small here: the last of a repeated flag wins
     command = re.search(r"^python benchmark\.py [^#\n]*?(?=\s*(#|$))", (ROOT / "README.md").read_text(), re.M)[0]
     json_path = tmp_path / "chain.jsonl"
-    write_tiny_cifar10(tmp_path / "data", train_per_file=103, test_size=64)  # 515: 8 steps of 64, 4 of 128, 1 of 512
+    # 515 images: 8 steps of 64, 4 of 128 and 1 of 512 an epoch, so 5 epochs for OneCycleLR's 5 steps at opt4's batch
+    write_tiny_cifar10(tmp_path / "data", train_per_file=103, test_size=64)
     # Our files are not the official bytes: every process skips torchvision's md5 check, as run_local.py does
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(
         "import os, torchvision.datasets.cifar as cifar\ncifar.CIFAR10._check_integrity = lambda self: True\n"
         "cifar.check_integrity = lambda path, md5=None: os.path.isfile(path)\n")
-    result = run_script(*shlex.split(command)[1:], "--device", "cpu", "--train-size", 512, "--epochs", 2,
+    result = run_script(*shlex.split(command)[1:], "--device", "cpu", "--train-size", 512, "--epochs", 5,
                         "--data-dir", tmp_path / "data", "--json", json_path, env={"PYTHONPATH": tmp_path / "site"})
     assert result.returncode == 0, result.stderr
     table = [line.split("|")[1:-1] for line in result.stdout.splitlines() if line.startswith("| ")][1:]  # no header
@@ -1643,8 +1645,8 @@ def test_benchmark_measures_the_chain_by_the_readmes_command_on_a_cpu(tmp_path):
     opt1_row = summary["rows"][1]
     assert table[1][1].strip() == f"{opt1_row['images_per_second']['all']:,.0f}"
     assert table[1][4].strip() == f"{100 * runs[1]['final_test_accuracy']:.2f}"
-    # opt4's two epochs train at two sizes, each its first: no steady speed to show
-    assert [cell.strip() for cell in table[4][1:3]] == ["-", "-"]
+    # opt4's 5 epochs train at 16, 16, 24, 24, 32 px: a steady speed at 16 and at 24 px, no single one to compare
+    assert re.fullmatch(r"[\d,]+ at 16 px, [\d,]+ at 24 px", table[4][1].strip()) and table[4][2].strip() == "-"
 
 
 def test_benchmark_speedup_is_each_scripts_speed_over_baselines():
@@ -2155,6 +2157,13 @@ def test_readme_cpu_figures_are_the_measured_data():
     at_equal_time = re.search(r"Muon at `--epochs \d` against AdamW at `--epochs \d`, the nearest in time, seed "
                               r"means: ([+-][\d.]+) points", "\n".join(plot.optimizer_summary(muon)))
     assert f"{float(at_equal_time[1]):+.1f} points at equal time (CPU, means of 3 seeds)" in readme
+    recipe = plot.recipe_finals(json_lines("recipe.jsonl"))
+    mean = statistics.mean(100 * run["final_test_accuracy"] for run in recipe)
+    seeds = f"{len(recipe)} seed{'s' * (len(recipe) > 1)}"
+    assert f"**{mean:.2f} % on the test set** (mean of {seeds}) on a 2-core CPU, and " \
+           f"{statistics.mean(run['modelled_h200_seconds'] for run in recipe):.2f} s of H200 training" in \
+        " ".join(readme.split())
+    assert f"86.36 % -> {mean:.2f} % on the test set (CPU, {seeds})" in readme
     data_parallel = json_lines("data-parallel.jsonl")[-1]
     assert data_parallel["script"] == "opt5.py" and data_parallel["world_size"] == 2
     assert f"{100 * data_parallel['final_test_accuracy']:.1f} % (CPU, AdamW)" in readme
