@@ -1,16 +1,18 @@
 """ablation.py: opt4 with one technique switched per row, each row its own run, as data.
 
-    python ablation.py --data-dir ./data --epochs 5 --batch-size 128 --lr 0.008   # the 9 rows of results/ablation.jsonl
+    python ablation.py --data-dir ./data --rows shipped adamw smoothing-0    # appends to results/recipe.jsonl
     python ablation.py --rows shipped ema --synthetic --epochs 2 --train-size 2048 --json /tmp/ablation.jsonl
-    python plot.py --tables                                                        # the table, with the other results
+    python plot.py --tables                                                  # the tables, with the other results
 
 Each row runs opt4.py's own main() in a fresh process (launched as this one was) with one change applied from
 outside, so opt4.py keeps only what earns its place. After training, every row scores its final weights on the
 whole test set from 1 view per image, 2 (the image and its mirror: opt4's own evaluation) and 6 (both also
 shifted one pixel up-left and down-right: flip + translate test-time augmentation). Any flag not listed below is
-opt4.py's (see `python opt4.py --help`) and goes to every row; the rows train with AdamW (--optimizer adamw), as
-they were measured (at opt4's defaults of then: 5 epochs of batch 128 at lr 0.008, as the first line above), unless
-the flags say --optimizer muon. The rows run one after another: time them with nothing else running on the machine.
+opt4.py's (see `python opt4.py --help`) and goes to every row; without such flags a row is opt4 as it ships (the
+recipe: 20 epochs of batch 512, Muon) with its one change. The rows of results/ablation.jsonl (the first 9, shipped
+to nesterov) were measured before the recipe, with AdamW at 5 epochs of batch 128: give those names to --rows with
+`--epochs 5 --batch-size 128 --lr 0.008 --optimizer adamw --json results/ablation.jsonl` to run them again. The
+rows run one after another: time them with nothing else running on the machine.
 """
 import argparse
 import json
@@ -132,7 +134,12 @@ ROWS = [
     ("smoothing-0.2", ["--label-smoothing", "0.2"], None, "label smoothing 0.2 instead of 0.1"),
     ("alternating-flip", [], alternating_flip, "alternating flip instead of a coin per image per epoch"),
     ("ema", [], ema_of_the_weights, "EMA of the weights (decay 0.99 per step), scored instead of the last weights"),
-    ("nesterov", ["--lr", "0.2"], nesterov_sgd, "Nesterov SGD (lr 0.2, momentum 0.9, wd 5e-4) instead of AdamW"),
+    ("nesterov", ["--optimizer", "adamw", "--lr", "0.2"], nesterov_sgd,
+     "Nesterov SGD (lr 0.2, momentum 0.9, wd 5e-4) for every weight instead of Muon or AdamW"),
+    ("adamw", ["--optimizer", "adamw"], None, "AdamW for the filters too instead of Muon"),
+    ("smoothing-0", ["--label-smoothing", "0"], None, "no label smoothing instead of 0.1"),
+    ("epochs-5-batch-128", ["--epochs", "5", "--batch-size", "128", "--lr", "0.008"], None,
+     "5 epochs of batch 128 at lr 0.008 (opt4's defaults before the recipe) instead of 20 of 512 at 0.016"),
 ]
 ROW_NAMES = [name for name, *_ in ROWS]
 
@@ -184,9 +191,9 @@ def parse_args():
     parser = harness.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", nargs="+", choices=ROW_NAMES, default=ROW_NAMES, metavar="ROW",
                         help=f"the rows to run, in this order, from: {' '.join(ROW_NAMES)} (default: all)")
-    parser.add_argument("--json", metavar="PATH", default="results/ablation.jsonl",
+    parser.add_argument("--json", metavar="PATH", default="results/recipe.jsonl",
                         help="append one JSON line per row: opt4's report and the row's scores "
-                             "(default: results/ablation.jsonl)")
+                             "(default: results/recipe.jsonl, with the recipe's other runs)")
     parser.add_argument("--row", choices=ROW_NAMES, help=argparse.SUPPRESS)  # one row, in this process
     args, opt4_flags = parser.parse_known_args()
     command_line = sys.argv
@@ -215,8 +222,7 @@ def run_row(name, opt4_flags, json_path):
     opt4.evaluate = evaluate_and_keep
     with tempfile.TemporaryDirectory() as folder:
         report_path = Path(folder) / "opt4.jsonl"
-        # AdamW, as the rows were measured; a later --optimizer muon among the flags overrides it
-        sys.argv = [sys.argv[0], "--optimizer", "adamw", *opt4_flags, *row_flags, "--json", str(report_path)]
+        sys.argv = [sys.argv[0], *opt4_flags, *row_flags, "--json", str(report_path)]  # the row's flags win
         opt4.main()
         report = json.loads(report_path.read_text())
     run, test_data = last_evaluation

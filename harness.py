@@ -3,6 +3,7 @@ compiler) that each end in one line, and the timing report and --json. Nothing t
 not open this file to learn it.
 """
 import argparse
+import collections
 import contextlib
 import copy
 import datetime
@@ -372,6 +373,9 @@ def update_flops(optimizer):
     # every attribute copied (copy.deepcopy of an optimizer keeps only its state and groups, losing a subclass's own)
     optimizer, original = object.__new__(type(optimizer)), optimizer
     optimizer.__dict__.update(copy.deepcopy(original.__dict__))
+    # and none of the run's step hooks (an EMA's would move the run's average one step towards the weights)
+    optimizer._optimizer_step_pre_hooks = collections.OrderedDict()
+    optimizer._optimizer_step_post_hooks = collections.OrderedDict()
     for group in optimizer.param_groups:
         for parameter in group["params"]:
             parameter.grad = torch.ones_like(parameter)

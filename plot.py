@@ -19,6 +19,7 @@ import statistics
 import subprocess
 from pathlib import Path
 
+import ablation
 import benchmark
 import common
 import harness
@@ -54,9 +55,11 @@ def parse_args():
                              "(default: results/muon.jsonl results/muon-xeon-amx.jsonl)")
     parser.add_argument("--recipe", default="results/recipe.jsonl",
                         help="runs of the recipe work: opt4 with the flags tried, scored on held-out training images "
-                             "(--validation) or the test set, for --tables (default: results/recipe.jsonl)")
+                             "(--validation) or the test set, and ablation.py's rows at its length, for --tables "
+                             "(default: results/recipe.jsonl)")
     parser.add_argument("--ablation", default="results/ablation.jsonl",
-                        help="ablation.py's rows, for --tables (default: results/ablation.jsonl)")
+                        help="ablation.py's rows from before the recipe (AdamW, 5 epochs of batch 128), for --tables "
+                             "(default: results/ablation.jsonl)")
     parser.add_argument("--out", default="results/chain.png",
                         help="the GPU figure to write (default: results/chain.png)")
     parser.add_argument("--cpu-out", default="results/cpu.png",
@@ -317,15 +320,35 @@ def recipe_table(runs):
 
 
 # opt4's defaults since the recipe work (issue 47); a test checks opt4.py's parser gives them
-RECIPE = {"epochs": 20, "batch_size": 512, "lr": 0.016}
+RECIPE = {"epochs": 20, "batch_size": 512, "lr": 0.016, "optimizer": "muon", "ns_steps": 3, "min_size": 16,
+          "label_smoothing": 0.1, "accum_steps": 1, "train_size": None}
+
+
+def on_the_test_set(run):
+    """Whether the run trained on every real training image and scored its final weights on the whole test set."""
+    # rows from before `test_images` have only their --test-size
+    scored = run["epochs"][-1].get("test_images", run["settings"].get("test_size") or common.CIFAR10_TEST_SIZE)
+    return (run.get("data") == "cifar10" and run["settings"].get("train_size") is None
+            and not run["settings"].get("validation") and scored == common.CIFAR10_TEST_SIZE)
+
+
+def last_per_seed(runs):
+    """The last of `runs` with each seed, by seed."""
+    return sorted({run["settings"]["seed"]: run for run in runs}.values(), key=lambda run: run["settings"]["seed"])
+
+
+def recipe_runs(runs, epochs=RECIPE["epochs"]):
+    """opt4's runs of its defaults (RECIPE, but for `epochs`) on the whole test set, the last of each seed: opt4.py's
+    own and ablation.py's `shipped` rows, not its other rows (their change is not always in the settings)."""
+    wanted = {**RECIPE, "epochs": epochs}
+    return last_per_seed(run for run in runs if run["script"] == "opt4.py" and on_the_test_set(run)
+                         and run.get("row", "shipped") == "shipped"
+                         and all(run["settings"].get(name) == value for name, value in wanted.items()))
 
 
 def recipe_finals(runs):
-    """The runs of opt4's defaults (RECIPE) scored on the whole test set, by seed."""
-    return sorted((run for run in runs if not run["settings"].get("validation") and run["epochs"][-1]["test_images"]
-                   == common.CIFAR10_TEST_SIZE and all(run["settings"].get(name) == value
-                                                       for name, value in RECIPE.items())),
-                  key=lambda run: run["settings"]["seed"])
+    """The runs of opt4's defaults (RECIPE) scored on the whole test set, the last of each seed."""
+    return recipe_runs(runs)
 
 
 def recipe_summary(runs):
@@ -340,6 +363,68 @@ def recipe_summary(runs):
     return [f"opt4's defaults (the recipe) on the test set: **{statistics.mean(accuracies):.2f} %**, the mean of "
             f"{len(finals)} seed{'s' * (len(finals) > 1)} ({seeds}: {each}), in "
             f"{statistics.mean(run['modelled_h200_seconds'] for run in finals):.2f} modelled H200 seconds"]
+
+
+def curve_row(name, runs):
+    """One markdown line of the recipe's curve: `runs` (one setting, its seeds), their accuracies' mean and each, their
+    work (the same for each seed) and their mean launch-to-result minutes."""
+    accuracies = [100 * run["final_test_accuracy"] for run in runs]
+    minutes = statistics.mean(run["launch_to_result_seconds"] for run in runs) / 60
+    return (f"| {name} | {size_runs(runs[0])} | {', '.join(str(run['settings']['seed']) for run in runs)} "
+            f"| {statistics.mean(accuracies):.2f} ({', '.join(f'{accuracy:.2f}' for accuracy in accuracies)}) "
+            f"| {sum(record['steps'] for record in runs[0]['epochs'])} | {runs[0]['training_flops'] / 1e15:.2f} "
+            f"| {runs[0]['modelled_h200_seconds']:.2f} | {minutes:.1f} |")
+
+
+def recipe_curve(recipe, others):
+    """Markdown lines: the recipe at each length it ran on the whole test set (its other settings opt4's defaults) on
+    the CPU of its default runs, after the reference point, opt3 `--epochs 5` on that CPU (from `others`, its work
+    counted as opt4 counts its own); [] before any run of the defaults."""
+    finals = recipe_finals(recipe)
+    if not finals:
+        return []
+    cpu = finals[0]["cpu"]
+    on_its_cpu = [run for run in recipe if run["cpu"] == cpu]
+    opt3 = last_per_seed(dict(run, epochs=[dict(record) for record in run["epochs"]]) for run in others
+                         if run["script"] == "opt3.py" and run["cpu"] == cpu and on_the_test_set(run)
+                         and len(run["epochs"]) == DEFAULT_EPOCHS)
+    for run in opt3:
+        run.update(harness.count_work(run["epochs"], 0))  # on the copies: AdamW's update counts no matmul
+    lines = ["| run | image sizes x epochs | seeds | test acc %, mean (each) | steps | training PFLOP "
+             "| modelled H200 s | launch to result min (CPU) |", "|---" * 8 + "|"]
+    if opt3:
+        lines.append(curve_row(f"opt3 `--epochs {DEFAULT_EPOCHS}` (reference)", opt3))
+    for epochs in sorted({run["settings"].get("epochs") for run in on_its_cpu} - {None}):
+        runs = recipe_runs(on_its_cpu, epochs)
+        if runs:
+            lines.append(curve_row(f"opt4 `--epochs {epochs}`" + " (default)" * (epochs == RECIPE["epochs"]), runs))
+    return lines
+
+
+def row_is_at_the_recipes_length(row):
+    """Whether an ablation.py row ran on the whole test set with opt4's defaults but for its own flags' settings."""
+    _, row_flags, _, _ = ablation.ROWS[ablation.ROW_NAMES.index(row["row"])]
+    own = {flag[2:].replace("-", "_") for flag in row_flags if flag.startswith("--")}
+    return row["script"] == "opt4.py" and on_the_test_set(row) and all(
+        row["settings"].get(name) == value for name, value in RECIPE.items() if name not in own)
+
+
+def recipe_ablation(recipe):
+    """Markdown lines: ablation.py's rows at the recipe's length, each against the mean of the recipe's test-set
+    seeds (opt4's 2 views), and what 1 and 6 views score; [] before any such row."""
+    rows = [run for run in recipe if "row" in run and row_is_at_the_recipes_length(run)]
+    finals = recipe_finals(recipe)
+    if not rows or not finals:
+        return []
+    shipped = statistics.mean(run["final_test_accuracy"] for run in finals)
+    lines = ["| row | change | seed | test acc % (2 views, opt4's) | vs the recipe's mean | 1 view | 6 views "
+             "| modelled H200 s | launch to result min (CPU) |", "|---" * 9 + "|"]
+    for row in rows:
+        lines.append(f"| {row['row']} | {row['change']} | {row['settings']['seed']} | {100 * row['2_views']:.2f} "
+                     f"| {100 * (row['2_views'] - shipped):+.2f} | {100 * row['1_view']:.2f} "
+                     f"| {100 * row['6_views']:.2f} | {row['modelled_h200_seconds']:.2f} "
+                     f"| {row['launch_to_result_seconds'] / 60:.1f} |")
+    return lines
 
 
 def curve_points(runs, script):
@@ -619,7 +704,11 @@ def main():
         seeds = convergence_runs(read_lines(args.seeds))
         print(f"{gpu_words(gpu)}:\n\n{benchmark.chain_table(gpu)}\n")
         recipe = read_lines(args.recipe)
-        print("\n".join(["Recipe runs:", "", *recipe_table(recipe), "", *recipe_summary(recipe), ""]))
+        others = curve + seeds + [run for runs_on_one_cpu in muon for run in runs_on_one_cpu]
+        curve_lines, ablation_lines = recipe_curve(recipe, others), recipe_ablation(recipe)
+        print("\n".join(["Recipe runs:", "", *recipe_table(recipe), "", *recipe_summary(recipe), "",
+                         *(["The recipe's curve:", "", *curve_lines, ""] if curve_lines else []),
+                         *(["The recipe's ablation:", "", *ablation_lines, ""] if ablation_lines else [])]))
         print(markdown_tables(runs, ladder, convergence, curve, seeds, ablation_rows(read_lines(args.ablation)), muon))
         return
     try:

@@ -758,8 +758,9 @@ def test_the_recipes_defaults_fit_the_issues_five_modelled_h200_seconds_in_as_ma
     module = {"opt4.py": opt4, "opt5.py": opt5}[script]
     monkeypatch.setattr(sys, "argv", [script])
     args = module.parse_args()
-    assert {name: getattr(args, name) for name in plot.RECIPE} == plot.RECIPE == {"epochs": 20, "batch_size": 512,
-                                                                                 "lr": 0.016}  # plot.py's tables
+    assert {name: getattr(args, name) for name in plot.RECIPE} == plot.RECIPE == {  # plot.py's tables
+        "epochs": 20, "batch_size": 512, "lr": 0.016, "optimizer": "muon", "ns_steps": 3, "min_size": 16,
+        "label_smoothing": 0.1, "accum_steps": 1, "train_size": None}
     sizes = [module.image_size(epoch, args.epochs, args.min_size, 32) for epoch in range(1, args.epochs + 1)]
     assert [(size, sizes.count(size)) for size in (16, 24, 32)] == [(16, 7), (24, 7), (32, 6)]
     steps = common.CIFAR10_TRAIN_SIZE // args.batch_size
@@ -775,7 +776,11 @@ def test_the_update_is_counted_on_a_copy_and_the_runs_weights_do_not_move():
     optimizer = opt4.Muon([p for p in parameters if p.ndim == 4], opt4.adamw([p for p in parameters if p.ndim != 4],
                           1e-3, CPU), dtype=torch.float32, steps=3)
     before = [parameter.detach().clone() for parameter in parameters]
+    hooks_run = []
+    optimizer.register_step_pre_hook(lambda *_: hooks_run.append("pre"))
+    optimizer.register_step_post_hook(lambda *_: hooks_run.append("post"))  # as ablation.py's EMA row hooks it
     assert harness.update_flops(optimizer) > 0 and all(parameter.grad is None for parameter in parameters)
+    assert hooks_run == [], "the copy's step ran the run's hooks"
     assert all(torch.equal(old, parameter) for old, parameter in zip(before, parameters))
     assert all(not state for state in optimizer.adamw.state.values()), "the run's optimizer took no step"
     assert harness.update_flops(torch.optim.SGD(parameters, lr=0.1)) == 0  # elementwise: FlopCounterMode counts none
@@ -1776,6 +1781,21 @@ def test_ablation_nesterov_row_builds_sgd_where_opt4_builds_adamw(monkeypatch):
     assert optimizer.param_groups[0]["lr"].item() == pytest.approx(0.1)
 
 
+@pytest.mark.parametrize("row, changed", [
+    ("shipped", {}), ("no-resizing", {"min_size": 32}), ("smoothing-0.2", {"label_smoothing": 0.2}),
+    ("nesterov", {"optimizer": "adamw", "lr": 0.2}), ("adamw", {"optimizer": "adamw"}),
+    ("smoothing-0", {"label_smoothing": 0.0}), ("epochs-5-batch-128", {"epochs": 5, "batch_size": 128, "lr": 0.008}),
+])
+def test_ablation_rows_flags_change_the_recipe_in_what_they_name_and_win_over_the_flags_given(row, changed,
+                                                                                              monkeypatch):
+    _, row_flags, _, _ = ablation.ROWS[ablation.ROW_NAMES.index(row)]
+    for given in ([], ["--optimizer", "muon", "--label-smoothing", "0.1", "--epochs", "20"]):
+        monkeypatch.setattr(sys, "argv", ["opt4.py", *given, *row_flags])  # as run_row puts them
+        args = opt4.parse_args()
+        assert {name: getattr(args, name) for name in plot.RECIPE if getattr(args, name) != plot.RECIPE[name]} == \
+            changed
+
+
 def test_ablation_shifts_move_the_image_one_pixel_and_reflect_the_edge():
     images = torch.arange(16.0).view(1, 1, 4, 4)
     up_left, down_right = ablation.shifted(images, -1, -1), ablation.shifted(images, 1, 1)
@@ -1786,11 +1806,14 @@ def test_ablation_shifts_move_the_image_one_pixel_and_reflect_the_edge():
 
 def test_ablation_runs_each_row_in_its_own_process_and_scores_three_ways(tmp_path):
     out = tmp_path / "ablation.jsonl"
-    result = run_script("ablation.py", "--rows", "shipped", "ema", "alternating-flip", "--json", out, "--epochs", 2,
-                        "--train-size", 1024, "--batch-size", 64, "--no-compile", *SMALL)
+    result = run_script("ablation.py", "--rows", "shipped", "ema", "smoothing-0", "--json", out, "--epochs", 2,
+                        "--train-size", 1024, "--batch-size", 64, "--label-smoothing", 0.2, "--no-compile", *SMALL)
     assert result.returncode == 0, result.stderr
     lines = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [line["row"] for line in lines] == ["shipped", "ema", "alternating-flip"]
+    assert [line["row"] for line in lines] == ["shipped", "ema", "smoothing-0"]
+    # opt4 as it ships (Muon) with the flags given, and a row's own flag over them
+    assert [(line["settings"]["optimizer"], line["settings"]["label_smoothing"]) for line in lines] == \
+        [("muon", 0.2), ("muon", 0.2), ("muon", 0.0)]
     shipped = lines[0]
     assert shipped["2_views"] == shipped["final_test_accuracy"], "2 views is opt4's own evaluation"
     assert shipped["2_views"] > 0.3, "it learns (10 classes)"
@@ -1822,7 +1845,7 @@ def test_ablation_help_names_every_row_and_its_flags_defaults():
     assert result.returncode == 0
     text = re.sub(r"-\s+", "-", " ".join(result.stdout.split()))  # argparse wraps lines at hyphens
     assert all(name in text for name in ablation.ROW_NAMES)
-    assert "--rows" in result.stdout and "(default: results/ablation.jsonl)" in result.stdout
+    assert "--rows" in result.stdout and "(default: results/recipe.jsonl, with the recipe's other runs)" in text
     assert "--row " not in result.stdout, "the per-process flag is internal"
 
 
@@ -1847,7 +1870,7 @@ def write_plot_fixture(folder):
     def timed_run(script, flags, sizes, launch_minutes, accuracy, seed=0, optimizer=None, cpu="Test CPU (AMX)",
                   **settings):
         epochs = [{"epoch": epoch, "test_accuracy": accuracy, "launch_seconds": 60 * minutes, "image_size": size,
-                   "ms_per_step": size * (10 if optimizer == "muon" else 8)}
+                   "ms_per_step": size * (10 if optimizer == "muon" else 8), "steps": 390, "images": 50_000}
                   for epoch, (size, minutes) in enumerate(zip(sizes, launch_minutes), start=1)]
         settings = {"seed": seed, **({"optimizer": optimizer} if optimizer else {}), **settings}
         return {"script": script, "data": "cifar10", "cpu": cpu, "threads": 2,
@@ -1925,6 +1948,21 @@ def write_plot_fixture(folder):
         run["epochs"][-1]["test_images"] = test_images
         for record in run["epochs"]:
             record["steps"] = 390
+    # ablation.py's rows: shipped (seed 2: a third seed of the defaults), a row that changes a flag, one that changes
+    # code (its settings are the defaults'), a shipped row at 10 epochs (not at the recipe's length); the defaults
+    # at 10 epochs, and at 15 on another CPU
+    defaults = {**plot.RECIPE, "validation": 0}
+    for row, accuracy, settings in [("shipped", 0.91, {}), ("adamw", 0.88, {"optimizer": "adamw"}), ("ema", 0.95, {}),
+                                    ("shipped", 0.5, {"epochs": 10, "seed": 3})]:
+        recipe.append({**timed_run("ablation.py", f"--rows {row} --seed 2", [16, 16, 32], [5, 10, 31.0], accuracy,
+                                   **{**defaults, "seed": 2, **settings}), "script": "opt4.py", "row": row,
+                       "change": f"{row} instead", "1_view": accuracy - 0.01, "2_views": accuracy,
+                       "6_views": accuracy + 0.002, "training_flops": 2.5e15, "modelled_h200_seconds": 4.08})
+    recipe += [{**timed_run("opt4.py", f"--epochs {epochs} --seed 0", [16, 24, 32], [3, 6, 15.0], 0.88, cpu=cpu,
+                            **{**defaults, "epochs": epochs}), "training_flops": 1.2e15, "modelled_h200_seconds": 2.04}
+               for epochs, cpu in [(10, "Test CPU (AMX)"), (15, "Other CPU (AVX-512 BF16)")]]
+    for run in recipe[-6:]:
+        run["epochs"][-1]["test_images"] = 10000
     (folder / "recipe.jsonl").write_text("".join(json.dumps(line) + "\n" for line in recipe))
     for name, lines in (("runs", runs), ("ladder", [ladder]), ("convergence", convergence), ("curve", curve),
                         ("seeds", seeds), ("ablation", ablation), ("muon", muon), ("muon-other-cpu", muon_other_cpu)):
@@ -1961,8 +1999,31 @@ def test_plot_tables_the_recipe_runs_with_their_work_and_what_scored_them(tables
            "(5,000) | 90.00 | 30.0 |" in tables
     assert "| `--epochs 2` | 16 x1, 32 x1 | 780 | 1.00 | 0.50 | test (10,000) | 85.00 | 12.0 |" in tables
     # opt4's defaults on the whole test set: seeds 0 and 1, not the held-out run or the one on 1,000 test images
-    assert "opt4's defaults (the recipe) on the test set: **90.25 %**, the mean of 2 seeds (0, 1: 90.00, 90.50), in " \
-           "4.08 modelled H200 seconds" in tables
+    # opt4's defaults on the whole test set: seeds 0 and 1 of opt4.py and ablation.py's shipped row (seed 2), not
+    # its other rows (the ema row's settings are the defaults'), the held-out run or the one on 1,000 test images
+    assert "opt4's defaults (the recipe) on the test set: **90.50 %**, the mean of 3 seeds (0, 1, 2: 90.00, 90.50, " \
+           "91.00), in 4.08 modelled H200 seconds" in tables
+
+
+def test_plot_tables_the_recipes_curve_after_opt3s_reference_run_on_the_same_cpu(tables):
+    curve = tables[tables.index("The recipe's curve:"):].split("\n\n")[1].splitlines()
+    # opt3 --epochs 5 on the CPU of the recipe's runs, the last run of each seed (seed 0 is in two files), not its
+    # --epochs 2 or another CPU's; its work counted as opt4 counts its own
+    records = [{"steps": 390, "images": 50_000, "image_size": 32}] * 5
+    work = harness.count_work([dict(record) for record in records], 0)
+    assert curve[2:] == [
+        f"| opt3 `--epochs 5` (reference) | 32 x5 | 0, 1 | 84.50 (85.00, 84.00) | 1950 "
+        f"| {work['training_flops'] / 1e15:.2f} | {work['modelled_h200_seconds']:.2f} | 25.5 |",
+        "| opt4 `--epochs 10` | 16 x1, 24 x1, 32 x1 | 0, 3 | 69.00 (88.00, 50.00) | 1170 | 1.20 | 2.04 | 23.0 |",
+        "| opt4 `--epochs 20` (default) | 16 x2, 32 x1 | 0, 1, 2 | 90.50 (90.00, 90.50, 91.00) | 1170 | 2.50 | 4.08 "
+        "| 30.3 |"]  # the 15-epoch run is the other CPU's
+
+
+def test_plot_tables_the_recipes_ablation_rows_against_the_mean_of_its_seeds(tables):
+    rows = tables[tables.index("The recipe's ablation:"):].split("\n\n")[1].splitlines()[2:]
+    assert rows == ["| shipped | shipped instead | 2 | 91.00 | +0.50 | 90.00 | 91.20 | 4.08 | 31.0 |",
+                    "| adamw | adamw instead | 2 | 88.00 | -2.50 | 87.00 | 88.20 | 4.08 | 31.0 |",
+                    "| ema | ema instead | 2 | 95.00 | +4.50 | 94.00 | 95.20 | 4.08 | 31.0 |"]
 
 
 def test_plot_tables_the_gpu_runs_in_the_chains_order_with_their_commit(tables):
@@ -2192,13 +2253,19 @@ def test_results_page_tables_are_plots_from_the_data():
     ablation_rows = plot.ablation_rows(json_lines("ablation.jsonl"))
     tables = plot.markdown_tables(list(runs.values()), ladder, convergence, curve, seeds, ablation_rows).split("\n\n")
     assert {run["script"] for run in convergence} == {run["script"] for run in curve} == {"opt3.py", "opt4.py"}
-    assert [row["row"] for row in ablation_rows] == ablation.ROW_NAMES, "every row of ablation.py, in its order"
+    assert [row["row"] for row in ablation_rows] == ablation.ROW_NAMES[:9], "ablation.py's rows of then, in order"
     for line in "\n".join(tables[2:]).splitlines():
         assert line in results_page, line
+    others = list(curve + seeds)
     for name in ("muon.jsonl", "muon-xeon-amx.jsonl"):
         muon = plot.convergence_runs(json_lines(name))
+        others += muon
         for line in plot.timed_runs_table(muon, plot.opt3_default_minutes(muon)):
             assert line in results_page, line
+    # the recipe's curve (after opt3's reference run) and its ablation
+    recipe = json_lines("recipe.jsonl")
+    for line in [*plot.recipe_curve(recipe, others), *plot.recipe_ablation(recipe)]:
+        assert line in results_page, line
 
 
 def test_the_setup_table_names_tests_that_exist_for_every_row():
