@@ -369,7 +369,8 @@ def training_flops_per_image(size=32):
 
 def update_flops(optimizer):
     """FLOPs of one step of `optimizer` (its matmuls: FlopCounterMode counts no elementwise op), counted on a copy of
-    it and its parameters, every gradient 1: the run's own weights do not move."""
+    it and its parameters, every gradient 1 but a frozen parameter's (none: a step skips it): the run's own weights
+    do not move."""
     # every attribute copied (copy.deepcopy of an optimizer keeps only its state and groups, losing a subclass's own)
     optimizer, original = object.__new__(type(optimizer)), optimizer
     optimizer.__dict__.update(copy.deepcopy(original.__dict__))
@@ -378,7 +379,7 @@ def update_flops(optimizer):
     optimizer._optimizer_step_post_hooks = collections.OrderedDict()
     for group in optimizer.param_groups:
         for parameter in group["params"]:
-            parameter.grad = torch.ones_like(parameter)
+            parameter.grad = torch.ones_like(parameter) if parameter.requires_grad else None
     with FlopCounterMode(display=False) as counter:
         optimizer.step()
     return counter.get_total_flops()

@@ -346,15 +346,10 @@ def recipe_runs(runs, epochs=RECIPE["epochs"]):
                          and all(run["settings"].get(name) == value for name, value in wanted.items()))
 
 
-def recipe_finals(runs):
-    """The runs of opt4's defaults (RECIPE) scored on the whole test set, the last of each seed."""
-    return recipe_runs(runs)
-
-
 def recipe_summary(runs):
     """One line: what opt4's defaults scored on the whole test set, the mean over its seeds and each seed's, and its
     modelled H200 seconds; [] before any such run."""
-    finals = recipe_finals(runs)
+    finals = recipe_runs(runs)
     if not finals:
         return []
     accuracies = [100 * run["final_test_accuracy"] for run in finals]
@@ -380,7 +375,7 @@ def recipe_curve(recipe, others):
     """Markdown lines: the recipe at each length it ran on the whole test set (its other settings opt4's defaults) on
     the CPU of its default runs, after the reference point, opt3 `--epochs 5` on that CPU (from `others`, its work
     counted as opt4 counts its own); [] before any run of the defaults."""
-    finals = recipe_finals(recipe)
+    finals = recipe_runs(recipe)
     if not finals:
         return []
     cpu = finals[0]["cpu"]
@@ -413,7 +408,7 @@ def recipe_ablation(recipe):
     """Markdown lines: ablation.py's rows at the recipe's length, each against the mean of the recipe's test-set
     seeds (opt4's 2 views), and what 1 and 6 views score; [] before any such row."""
     rows = [run for run in recipe if "row" in run and row_is_at_the_recipes_length(run)]
-    finals = recipe_finals(recipe)
+    finals = recipe_runs(recipe)
     if not rows or not finals:
         return []
     shipped = statistics.mean(run["final_test_accuracy"] for run in finals)

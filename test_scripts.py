@@ -784,6 +784,11 @@ def test_the_update_is_counted_on_a_copy_and_the_runs_weights_do_not_move():
     assert all(torch.equal(old, parameter) for old, parameter in zip(before, parameters))
     assert all(not state for state in optimizer.adamw.state.values()), "the run's optimizer took no step"
     assert harness.update_flops(torch.optim.SGD(parameters, lr=0.1)) == 0  # elementwise: FlopCounterMode counts none
+    stem = model.stem[0].weight
+    alone = opt4.Muon([stem], opt4.adamw([nn.Parameter(torch.zeros(1))], 1e-3, CPU), dtype=torch.float32, steps=3)
+    every, stem_update = harness.update_flops(optimizer), harness.update_flops(alone)
+    stem.requires_grad_(False)  # as ablation.py's whitening row freezes it: no gradient, so a step skips it
+    assert stem_update > 0 and harness.update_flops(optimizer) == every - stem_update
 
 
 def test_validation_holds_out_the_last_training_images_in_the_test_sets_place(tmp_path, monkeypatch, capsys):
@@ -2218,7 +2223,7 @@ def test_readme_cpu_figures_are_the_measured_data():
     at_equal_time = re.search(r"Muon at `--epochs \d` against AdamW at `--epochs \d`, the nearest in time, seed "
                               r"means: ([+-][\d.]+) points", "\n".join(plot.optimizer_summary(muon)))
     assert f"{float(at_equal_time[1]):+.1f} points at equal time (CPU, means of 3 seeds)" in readme
-    recipe = plot.recipe_finals(json_lines("recipe.jsonl"))
+    recipe = plot.recipe_runs(json_lines("recipe.jsonl"))
     mean = statistics.mean(100 * run["final_test_accuracy"] for run in recipe)
     seeds = f"{len(recipe)} seed{'s' * (len(recipe) > 1)}"
     assert f"**{mean:.2f} % on the test set** (mean of {seeds}) on a 2-core CPU, and " \
