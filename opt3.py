@@ -220,12 +220,16 @@ def cuda_graph(step, warmup_steps=3):
     return replay
 
 
-def capture_problem(device, amp_dtype):
+def capture_problem(device, amp_dtype, compiled):
     """Why the step cannot be replayed as a CUDA graph here, in words, or None where it can."""
     if device.type != "cuda":
         return "not captured: CUDA graphs are CUDA's"
     if amp_dtype == torch.float16:
         return "not captured: float16's GradScaler reads on the host whether each step's gradients are finite"
+    if not compiled:
+        # torch's AdamW, uncompiled, turns its tensor betas into Python numbers for some ops: a read that waits for the
+        # GPU, which a capture forbids (seen with torch 2.11 on an H200); compiled, they stay tensors on the device
+        return "not captured: uncompiled, torch's AdamW reads its tensor betas on the host"
     return None
 
 
@@ -330,7 +334,7 @@ def main():
         run.micro_batch_loss = torch.compile(micro_batch_loss, mode=args.compile_mode)
         run.optimizer_step = torch.compile(optimizer_step, mode=args.compile_mode)
     run.train_step = functools.partial(train_step, run)
-    why_not = capture_problem(device, amp_dtype)
+    why_not = capture_problem(device, amp_dtype, args.compile)
     if why_not is None:
         # opt3: on CUDA the whole step is captured once and replayed: one launch a step, however many kernels
         run.train_step = cuda_graph(run.train_step)

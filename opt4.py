@@ -311,12 +311,16 @@ def cuda_graph(step, warmup_steps=3):
     return replay
 
 
-def capture_problem(device, amp_dtype):
+def capture_problem(device, amp_dtype, compiled):
     """Why the step cannot be replayed as a CUDA graph here, in words, or None where it can."""
     if device.type != "cuda":
         return "not captured: CUDA graphs are CUDA's"
     if amp_dtype == torch.float16:
         return "not captured: float16's GradScaler reads on the host whether each step's gradients are finite"
+    if not compiled:
+        # torch's AdamW, uncompiled, turns its tensor betas into Python numbers for some ops: a read that waits for the
+        # GPU, which a capture forbids (seen with torch 2.11 on an H200); compiled, they stay tensors on the device
+        return "not captured: uncompiled, torch's AdamW reads its tensor betas on the host"
     return None
 
 
@@ -432,11 +436,14 @@ def main():
         # into it): augmentation, forward and loss; then the update and its bookkeeping
         # opt4: dynamic=False, as the model
         run.micro_batch_loss = torch.compile(micro_batch_loss, mode=args.compile_mode, dynamic=False)
-        run.optimizer_step = torch.compile(optimizer_step, mode=args.compile_mode)
+        # opt4: the update compiled without inductor's loop reordering, which fails an assertion on Muon's update on
+        # a GPU with torch 2.11 (seen on an H200; later versions skip the nodes it failed on)
+        no_loop_reordering = torch._inductor.config.patch(loop_ordering_after_fusion=False)
+        run.optimizer_step = no_loop_reordering(torch.compile(optimizer_step, mode=args.compile_mode))
     sizes = {image_size(epoch, args.epochs, args.min_size, full_size=train_data[0].shape[-1])
              for epoch in range(1, args.epochs + 1)}
     run.train_steps = {size: functools.partial(train_step, run, size) for size in sizes}
-    why_not = capture_problem(device, amp_dtype)
+    why_not = capture_problem(device, amp_dtype, args.compile)
     if why_not is None:
         # opt3: on CUDA the whole step is captured once and replayed: one launch a step, however many kernels
         # opt4: a graph for each image size: a graph replays the shapes it was captured with

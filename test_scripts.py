@@ -1135,7 +1135,9 @@ def step_of(script, model, dataset, device, compiled=False):
     assemble_the_step(module, run, epochs=2)
     if compiled:
         run.micro_batch_loss = torch.compile(module.micro_batch_loss, dynamic=False)
-        run.optimizer_step = torch.compile(module.optimizer_step)
+        # as opt4's main() compiles it: torch 2.11's loop reordering fails on Muon's update on a GPU
+        no_loop_reordering = torch._inductor.config.patch(loop_ordering_after_fusion=False)
+        run.optimizer_step = no_loop_reordering(torch.compile(module.optimizer_step))
     return run, run.train_steps[32] if hasattr(run, "train_steps") else run.train_step  # opt4 on: a step per size
 
 
@@ -2518,10 +2520,20 @@ def test_under_torchrun_only_rank_0_prints_a_verdict_and_a_fatal_one_ends_every_
 
 @pytest.mark.parametrize("world_size, captured", [(1, True), (2, False)])
 def test_opt5_captures_its_step_on_one_gpu_and_says_why_not_under_ddp(world_size, captured):
-    why_not = opt5.capture_problem(torch.device("cuda", 0), torch.bfloat16, world_size)
+    why_not = opt5.capture_problem(torch.device("cuda", 0), torch.bfloat16, world_size, compiled=True)
     assert (why_not is None) == captured and (captured or "DDP" in why_not)
-    assert "float16" in opt5.capture_problem(torch.device("cuda", 0), torch.float16, 1)
-    assert "CUDA" in opt5.capture_problem(CPU, torch.bfloat16, 1)
+    assert "float16" in opt5.capture_problem(torch.device("cuda", 0), torch.float16, 1, compiled=True)
+    assert "CUDA" in opt5.capture_problem(CPU, torch.bfloat16, 1, compiled=True)
+
+
+@pytest.mark.parametrize("script", WHOLE_STEP)
+def test_an_uncompiled_step_is_run_not_captured(script):
+    # Uncompiled, torch's AdamW reads its tensor betas on the host (test_cuda_uncompiled_adamw_reads_its_betas_on_the_host):
+    # the capture failed there on an H200 (torch 2.11), so --no-compile runs the step as a function, and says so.
+    gpu, ranks = torch.device("cuda", 0), [1] if script == "opt5.py" else []
+    why_not = ALL_SCRIPTS[script].capture_problem(gpu, torch.bfloat16, *ranks, compiled=False)
+    assert why_not.startswith("not captured: uncompiled")
+    assert ALL_SCRIPTS[script].capture_problem(gpu, torch.bfloat16, *ranks, compiled=True) is None
 
 
 def test_ddp_buffer_flag_is_named_as_this_torch_names_it(monkeypatch):
@@ -2890,13 +2902,14 @@ def test_cuda_opt3_captures_its_step_and_never_syncs_after_warm_up(monkeypatch, 
 @cuda_test
 @pytest.mark.parametrize("script", ["opt3.py", "opt4.py"])
 def test_cuda_the_captured_step_replays_what_the_step_computes(script, monkeypatch):
-    # The same 2 epochs twice, float32: the step called as itself, and captured after 3 steps and replayed.
+    # The same 2 epochs twice, float32, compiled as main() compiles them (uncompiled, the step is not captured: see
+    # test_an_uncompiled_step_is_run_not_captured): the step called as itself, and captured after 3 steps and replayed.
     monkeypatch.setattr(torch, "autocast", lambda *args, **kwargs: contextlib.nullcontext())
     gpu, dataset = torch.device("cuda"), common.synthetic_cifar10(256, train=True, transform=None)
 
     def weights_after_two_epochs(captured):
         model = small_net().to(gpu)
-        run, step = step_of(script, model, dataset, gpu)
+        run, step = step_of(script, model, dataset, gpu, compiled=True)
         if captured:
             step = opt3.cuda_graph(step)
         addresses = [tensor.data_ptr() for tensor in [*model.parameters(), *vars(run.plan).values()]]
@@ -2911,6 +2924,22 @@ def test_cuda_the_captured_step_replays_what_the_step_computes(script, monkeypat
     (called, called_losses) = weights_after_two_epochs(captured=False)
     assert torch.allclose(captured, called, rtol=1e-4, atol=1e-5) and torch.allclose(captured_losses, called_losses)
     assert not torch.equal(captured, torch.nn.utils.parameters_to_vector(small_net().parameters()).to(gpu))
+
+
+@cuda_test
+def test_cuda_uncompiled_adamw_reads_its_betas_on_the_host():
+    # Why an uncompiled step is not captured (capture_problem): a read that waits for the GPU, which a capture forbids.
+    # Should a torch stop reading them, this fails, and the uncompiled step can be captured too.
+    weight = torch.zeros(4, device="cuda", requires_grad=True)
+    optimizer = opt3.adamw([weight], 0.01, torch.device("cuda"))
+    weight.grad = torch.ones_like(weight)
+    optimizer.step()  # the first step makes the optimizer's state
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            optimizer.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
 
 
 @cuda_test
