@@ -1,6 +1,6 @@
 """plot.py: draw the README's figures from the measured data in results/.
 
-    python plot.py            # results/h200-410ebec/*.jsonl -> results/chain.png; the CPU runs -> results/cpu.png
+    python plot.py            # results/h200-38c59a9/*.jsonl -> results/chain.png; the CPU runs -> results/cpu.png
     python plot.py --tables   # the same data, and ablation.py's rows, as the markdown tables of results/README.md
 
 chain.png, the GPU's: each script's steady images/s at its defaults, and where each run's seconds from launch to
@@ -29,7 +29,9 @@ CONVERGENCE = ["opt3.py", "opt4.py"]  # the step opt4 takes, and the rung it is 
 DEFAULT_EPOCHS = 5  # opt3's --epochs default, and opt4's before the recipe: the runs the curve summary compares
 OPTIMIZER_NAMES = {"opt4.py muon": "Muon", "opt4.py adamw": "AdamW"}
 CHAIN_ORDER = {script: index for index, script in enumerate(benchmark.SCRIPTS)}
-GPU_RUNS = [f"results/h200-410ebec/{name}.jsonl" for name in ("chain-cold-cache", "warm-cache", "bigger-batch")]
+# The chain on an H200 after the whole step moved onto the device; and before it (--gpu gives those to --tables)
+GPU_RUNS = [f"results/h200-38c59a9/{name}.jsonl" for name in ("chain-cold-cache", "opt4-cold-cache")]
+GPU_RUNS_BEFORE = [f"results/h200-410ebec/{name}.jsonl" for name in ("chain-cold-cache", "warm-cache", "bigger-batch")]
 
 
 def parse_args():
@@ -72,7 +74,8 @@ def gpu_runs(paths):
     """{name: [report]} of every real-data GPU run in `paths`, file by file, each file's in the chain's order. A name
     is the script and the flags it was given beyond the data, device, epochs and JSON, and "warm cache" where the
     file's name says its compiler cache was.
-    A row without its commit takes it from its folder's name (results/h200-410ebec/: commit 410ebec)."""
+    A run's commit is its folder's (results/h200-38c59a9/: 38c59a9), the code the folder's runs measured: a row may name
+    an older one (h200-410ebec/'s name none; h200-38c59a9/'s say ffd0304 and ffd0304+changes: its README says why)."""
     runs = {}
     for path in paths:
         for run in sorted(read_lines(path), key=lambda run: CHAIN_ORDER.get(run.get("script"), len(CHAIN_ORDER))):
@@ -81,8 +84,7 @@ def gpu_runs(paths):
             shown = flags(run, dropped=("--data-dir", "--json", "--device", "--epochs"))
             name = " ".join([run["script"], *([] if shown == "(defaults)" else [shown])]) + \
                 (", warm cache" if "warm" in Path(path).name else "")
-            # rows from before the scripts recorded their commit have it in their folder's name: h200-410ebec/
-            runs.setdefault(name, []).append({"commit": Path(path).parent.name.rpartition("-")[2], **run})
+            runs.setdefault(name, []).append({**run, "commit": Path(path).parent.name.rpartition("-")[2]})
     if not runs:
         common.fail(f"no real-CIFAR-10 GPU run in {' '.join(map(str, paths))}")
     return runs
@@ -90,10 +92,11 @@ def gpu_runs(paths):
 
 def gpu_words(runs):
     """The GPU, its host and software, and the code the runs measured: "NVIDIA H200, 16 threads of an Intel Xeon
-    (AMX-BF16), torch 2.11.0+cu130, commit 410ebec"."""
+    (AMX-BF16), torch 2.11.0+cu130, commit 410ebec" (commits, in the runs' order, where they differ)."""
     first = next(iter(runs.values()))[0]
+    commits = list(dict.fromkeys(run["commit"] for script_runs in runs.values() for run in script_runs))
     return f"{first['device_name']}, {first['threads']} threads of an {first['cpu']}, torch {first['torch']}, " \
-        f"commit {first['commit']}"
+        f"commit{'s' * (len(commits) > 1)} {', '.join(commits)}"
 
 
 # The call that writes a run's report: a script changed in it alone trains as it did
@@ -140,7 +143,7 @@ def draw_gpu(runs, out, words):
     speed_axis.set_xticks(range(len(chain)), [row["name"].replace(".py", "") for row in chain], fontsize=8)
     speed_axis.set(ylabel="training images/s (epochs 2 on)", ylim=(0, 1.25 * max(
         max(row["images_per_second"].values()) for row in chain)))
-    speed_axis.set_title("Steady training speed (epochs 2-5), each script at its defaults", fontsize=9)
+    speed_axis.set_title("Steady training speed (epochs 2 on), each script at its defaults", fontsize=9)
 
     parts = [("before the first epoch", "before_first_epoch_seconds", "tab:gray"),
              ("first epoch (compiling)", "first_epoch_seconds", "tab:orange")]
@@ -156,7 +159,7 @@ def draw_gpu(runs, out, words):
                        va="center", fontsize=8)
     time_axis.set_yticks(range(len(rows)), [row["name"].replace(".py", "") for row in rows], fontsize=8)
     time_axis.invert_yaxis()
-    time_axis.set(xlabel="seconds from launch to the final test accuracy (5 epochs)",
+    time_axis.set(xlabel="seconds from launch to the final test accuracy (5 epochs; opt4's recipe, 20)",
                   xlim=(0, 1.15 * max(row["launch_to_result_seconds"] for row in rows)))
     time_axis.set_title("Where a run's seconds go, and the test accuracy it ends at (JPEG copy of CIFAR-10)",
                         fontsize=9)
@@ -165,8 +168,9 @@ def draw_gpu(runs, out, words):
         axis.grid(alpha=0.3, axis="x" if axis is time_axis else "y")
     changed = changed_since(next(iter(runs.values()))[0]["commit"], [row["name"].split()[0] for row in rows])
     since = "whether the scripts changed since: not known (no git history)" if changed is None else \
-        f"changed since: {', '.join(name.removesuffix('.py') for name in sorted(changed)) or 'none'} (their current " \
-        f"code is not measured on a GPU)"
+        "each script's code is today's" if not changed else \
+        f"changed since: {', '.join(name.removesuffix('.py') for name in sorted(changed))} (their current code is not " \
+        f"measured on a GPU)"
     figure.suptitle(f"fast-cifar: ResNet10 on CIFAR-10 on one GPU: {words}\n{since}", fontsize=10, y=0.995)
     figure.tight_layout()
     Path(out).parent.mkdir(parents=True, exist_ok=True)
