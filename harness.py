@@ -380,7 +380,10 @@ def update_flops(optimizer):
     for group in optimizer.param_groups:
         for parameter in group["params"]:
             parameter.grad = torch.ones_like(parameter) if parameter.requires_grad else None
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False) as counter, warnings.catch_warnings():
+        # the copy of a captured step's optimizer (capturable on CUDA) steps once, uncaptured: torch's warning about
+        # that is not the run's
+        warnings.filterwarnings("ignore", message=".*capturable=True.*")
         optimizer.step()
     return counter.get_total_flops()
 

@@ -2945,6 +2945,17 @@ def test_cuda_uncompiled_adamw_reads_its_betas_on_the_host():
 
 
 @cuda_test
+def test_cuda_counting_the_update_of_a_captured_steps_optimizer_warns_of_nothing():
+    # torch warns when a capturable optimizer steps uncaptured; update_flops' copy does so once by design (H200 logs)
+    weight = torch.zeros(8, 8, device="cuda", requires_grad=True)
+    optimizer = opt3.adamw([weight], 0.01, torch.device("cuda"))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*capturable.*")
+        assert harness.update_flops(optimizer) == 0  # AdamW's update: elementwise ops, no matmul
+    assert weight.grad is None and not optimizer.state  # the run's optimizer and weights untouched
+
+
+@cuda_test
 def test_cuda_opt3_accumulates_under_cuda_graphs(tmp_path):
     json_path = tmp_path / "result.json"
     result = run_script("opt3.py", *GPU_ARGS, "--accum-steps", 2, "--json", json_path)
