@@ -2231,6 +2231,12 @@ def test_readme_cpu_figures_are_the_measured_data():
            f"{statistics.mean(run['modelled_h200_seconds'] for run in recipe):.2f} s of H200 training" in \
         " ".join(readme.split())
     assert f"86.36 % -> {mean:.2f} % on the test set (CPU, {seeds})" in readme
+    no_resizing = [row for row in json_lines("recipe.jsonl")
+                   if row.get("row") == "no-resizing" and plot.row_is_at_the_recipes_length(row)]
+    assert len(no_resizing) == 1, "one seed: say the seeds' mean in the README"
+    assert f"in the recipe, {recipe[0]['modelled_h200_seconds']:.2f} modelled H200 s instead of " \
+           f"{no_resizing[0]['modelled_h200_seconds']:.2f} for {100 * no_resizing[0]['2_views'] - mean:.2f} points " \
+           "less (CPU, one seed)" in readme
     data_parallel = json_lines("data-parallel.jsonl")[-1]
     assert data_parallel["script"] == "opt5.py" and data_parallel["world_size"] == 2
     assert f"{100 * data_parallel['final_test_accuracy']:.1f} % (CPU, AdamW)" in readme
