@@ -216,6 +216,8 @@ class Muon(torch.optim.Optimizer):
     def step(self):
         group = self.param_groups[0]
         filters = [parameter for parameter in group["params"] if parameter.grad is not None]
+        if not filters:  # no filter has a gradient (all frozen, say): foreach ops refuse an empty list
+            return self.adamw.step()
         grads = [parameter.grad for parameter in filters]
         momenta = [self.state[parameter]["momentum"] for parameter in filters]
         lr, beta1 = group["lr"], group["betas"][0]  # tensors (see adamw): foreach ops take them without a host read

@@ -1486,6 +1486,24 @@ def test_opt4_muon_steps_a_filter_as_torch_optim_muon_steps_its_matrix_and_the_r
     torch.testing.assert_close(ours[1].detach(), theirs[1].detach())
 
 
+@pytest.mark.parametrize("script", ["opt4.py", "opt5.py"])
+def test_muon_without_a_filters_gradient_steps_the_rest_as_adamw_and_leaves_the_filters(script):
+    torch.manual_seed(0)
+    frozen, shift = nn.Parameter(torch.randn(16, 8, 3, 3)), nn.Parameter(torch.randn(16))  # the filter: no gradient
+    reference = nn.Parameter(shift.detach().clone())
+    module = ALL_SCRIPTS[script]
+    muon = module.Muon([frozen], module.adamw([shift], 0.01, CPU), dtype=torch.float32, steps=3)
+    adamw = torch.optim.AdamW([reference], lr=0.01, weight_decay=0.05, betas=(0.9, 0.999), eps=1e-8)
+    before = frozen.detach().clone()
+    for _ in range(2):
+        shift.grad = torch.randn(16)
+        reference.grad = shift.grad.clone()
+        muon.step()
+        adamw.step()
+    assert torch.equal(frozen, before)
+    torch.testing.assert_close(shift.detach(), reference.detach())
+
+
 class PerFilterMuon(torch.optim.Optimizer):
     """opt4's Muon as it was before its update became foreach ops on device-tensor rates (commit 410ebec), for filters
     only: a Python loop over the filters, floats for the rate and momentum."""
