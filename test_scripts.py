@@ -909,6 +909,22 @@ def test_opt3_flip_tta_equals_plain_evaluation_on_mirror_symmetric_images(monkey
     assert tta_loss(asymmetric) != pytest.approx(plain_loss(asymmetric), rel=1e-5), "the test must be able to fail"
 
 
+@pytest.mark.parametrize("script", ["opt4.py", "opt5.py"])
+@pytest.mark.parametrize("size", [16, 32])
+def test_opt4_evaluation_scores_each_image_once_whatever_its_last_batch(script, size, monkeypatch):
+    # opt4 evaluates eagerly, its last batch unpadded: batches of 16 over 40 images (the last one 8) score as one of 40
+    monkeypatch.setattr(torch, "autocast", lambda *args, **kwargs: contextlib.nullcontext())  # float32
+    torch.manual_seed(0)
+    model = common.ResNet10().eval()
+    test_data = (torch.randint(0, 256, (40, 3, 32, 32), dtype=torch.uint8), torch.randint(0, 10, (40,)))
+
+    def evaluate(batch_size):
+        return call(ALL_SCRIPTS[script].evaluate, model=model, test_data=test_data, amp_dtype=torch.float32,
+                    batch_size=batch_size, device=CPU, size=size)
+    (loss, accuracy), (one_batch_loss, one_batch_accuracy) = evaluate(16), evaluate(40)
+    assert loss == pytest.approx(one_batch_loss, rel=1e-5) and accuracy == one_batch_accuracy
+
+
 # --------------------------------------------------------------- what each optimization turns on
 
 def is_channels_last(tensor):
@@ -1619,16 +1635,16 @@ def compiled_opt4_run(tmp_path_factory):
         return (*compiled_run("opt4.py", flags, folder), folder / "trace")
 
 
-def test_opt4_compiles_two_graphs_per_image_size_and_stays_under_the_recompile_limit(compiled_opt4_run):
+def test_opt4_compiles_its_step_once_per_image_size_evaluates_eagerly_and_stays_under_the_recompile_limit(
+        compiled_opt4_run):
     after_each_epoch, report, _ = compiled_opt4_run
     assert [epoch["image_size"] for epoch in report["epochs"]] == [8, 8, 16, 16, 24, 24, 32]
     assert len({epoch["graph_breaks"] for epoch in after_each_epoch}) == 1, "only the optimizer's, in epoch 1"
-    # The step's first half and the evaluation at each new size, the partial last test batch padded to the same shape;
-    # a second epoch at a size reuses both, and the update compiles once for all sizes. 40 test images in batches of
-    # 16: without the padding, 3 graphs per size.
+    # The step's first half at each new size, and nothing for the evaluation (40 test images in batches of 16, so two
+    # shapes a size); a second epoch at a size reuses it, and the update compiles once for all sizes
     graphs = [epoch["graphs"] for epoch in after_each_epoch]
-    assert [count - graphs[0] for count in graphs] == [0, 0, 2, 2, 4, 4, 6], graphs
-    assert graphs[-1] - graphs[0] + 2 <= torch._dynamo.config.recompile_limit
+    assert [count - graphs[0] for count in graphs] == [0, 0, 1, 1, 2, 2, 3], graphs
+    assert graphs[-1] - graphs[0] + 1 <= torch._dynamo.config.recompile_limit
     # Each epoch that compiled says so, not only the first.
     warm_up = ["(includes compile/warm-up)" in epoch["line"] for epoch in after_each_epoch]
     assert warm_up == [True, False, True, False, True, False, True], warm_up
