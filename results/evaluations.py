@@ -1,0 +1,54 @@
+"""What opt4's evaluations cost a CPU, compiled (as opt4 did up to 33dad5d) or eager (as since): those of its 20-epoch
+recipe, a 1,000-image test subset after epochs 1-19 at their sizes (16 px x7, 24 px x7, 32 px x5), then all
+10,000 test images at 32 px, on a random ResNet10 and random images (the work does not depend on the values).
+
+  compiled  the model compiled with dynamic=False, each last batch padded to a full one (one graph per size)
+  eager     opt4's evaluate as it is: the model uncompiled, the last batch unpadded
+
+One small compile runs first in both, as opt4's step compiles before any evaluation (inductor's start-up). Run each
+mode in its own process with an empty inductor cache, as a first run meets it:
+    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python results/evaluations.py compiled
+"""
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import common  # noqa: E402
+import opt4  # noqa: E402
+
+mode = sys.argv[1] if sys.argv[1:] in (["compiled"], ["eager"]) else sys.exit("usage: evaluations.py compiled|eager")
+torch.manual_seed(0)
+device, batch_size = torch.device("cpu"), 512
+amp_dtype, _ = opt4.autocast_dtype(device)
+model = common.ResNet10().to(device, memory_format=torch.channels_last)
+if mode == "compiled":
+    model.compile(dynamic=False)
+run = SimpleNamespace(model=model, device=device, amp_dtype=amp_dtype, args=SimpleNamespace(batch_size=batch_size),
+                      statistics=opt4.channel_statistics(device))
+torch.compile(lambda x: (x.relu() + 1).sum())(torch.randn(64))
+
+
+def padded(count):
+    """`count` random test images and labels, padded with blank ones to whole batches where compiled."""
+    total = -(-count // batch_size) * batch_size if mode == "compiled" else count
+    images = torch.zeros(total, 3, 32, 32, dtype=torch.uint8)
+    images[:count] = torch.randint(0, 256, (count, 3, 32, 32), dtype=torch.uint8)
+    return images, torch.randint(0, 10, (total,))
+
+
+monitor, test = padded(1000), padded(10000)
+print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {amp_dtype}, {mode}")
+total = 0.0
+for epoch in range(1, 21):
+    size = opt4.image_size(epoch, 20, 16, full_size=32)
+    data = test if epoch == 20 else monitor
+    start = time.perf_counter()
+    opt4.evaluate(run, data, size)
+    seconds = time.perf_counter() - start
+    total += seconds
+    print(f"{mode}: epoch {epoch:2d}, {size} px, {len(data[1]):,} images: {seconds:6.2f} s", flush=True)
+print(f"{mode}: the 20 evaluations: {total:.1f} s")
