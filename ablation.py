@@ -112,14 +112,11 @@ def ema_of_the_weights(patch, decay=0.99):
 
 def nesterov_sgd(patch):
     """SGD with Nesterov momentum 0.9 and weight decay 5e-4, the CIFAR-10 speed records' optimizer, in place of
-    AdamW (with --lr 0.2). Its rate follows OneCycleLR's table; its momentum stays 0.9 (SGD takes it as a float, so
-    the table's beta1 lands in a tensor SGD never reads; measured before opt3's table, OneCycleLR cycled it)."""
+    AdamW (with --lr 0.2). Its rate follows OneCycleLR's table; its momentum stays 0.9 (measured before opt3's table,
+    OneCycleLR cycled it)."""
     def sgd(parameters, lr, device):
-        optimizer = torch.optim.SGD(parameters, lr=torch.tensor(lr, device=device), momentum=0.9, nesterov=True,
-                                    weight_decay=5e-4)
-        for group in optimizer.param_groups:
-            group["betas"] = (torch.tensor(0.9, device=device),)
-        return optimizer
+        return torch.optim.SGD(parameters, lr=torch.tensor(lr, device=device), momentum=0.9, nesterov=True,
+                               weight_decay=5e-4)
     patch(opt4, "adamw", sgd)
 
 

@@ -35,6 +35,10 @@ from torch.utils.flop_counter import FlopCounterMode
 import common
 from common import fail
 
+# torch warns once when an optimizer built capturable=True (opt3 on: a CUDA graph replays its update) steps uncaptured,
+# as it does by design here: the warm-up steps before the capture, a step under DDP, update_flops' copy of it
+warnings.filterwarnings("ignore", message=".*capturable=True.*")
+
 try:
     import resource  # Unix only: peak memory of this process
 except ImportError:  # Windows
@@ -380,10 +384,7 @@ def update_flops(optimizer):
     for group in optimizer.param_groups:
         for parameter in group["params"]:
             parameter.grad = torch.ones_like(parameter) if parameter.requires_grad else None
-    with FlopCounterMode(display=False) as counter, warnings.catch_warnings():
-        # the copy of a captured step's optimizer (capturable on CUDA) steps once, uncaptured: torch's warning about
-        # that is not the run's
-        warnings.filterwarnings("ignore", message=".*capturable=True.*")
+    with FlopCounterMode(display=False) as counter:
         optimizer.step()
     return counter.get_total_flops()
 

@@ -1,6 +1,6 @@
 """opt3.py: opt2.py + bfloat16, channels_last, the dataset kept on the device and augmented there in
-whole batches, the whole training step as one function that the host never waits on (compiled, and
-on a GPU captured once as a CUDA graph and replayed), and flip test-time augmentation.
+whole batches, the whole training step as one function that the host never waits on (on a GPU
+captured once as a CUDA graph and replayed, uncompiled), fused AdamW, and flip test-time augmentation.
 
     python opt3.py --epochs 5               # CIFAR-10 in ./data, downloaded if missing
     python opt3.py --synthetic --epochs 2   # no download: measures speed only
@@ -22,8 +22,12 @@ import harness
 def parse_args():
     # opt2: a bigger batch keeps the GPU busy with fewer, larger kernels and fewer optimizer steps
     parser = harness.build_parser(__doc__, batch_size=128, lr=8e-3)
-    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                        help="torch.compile the model; --no-compile runs eager (default: on)")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                        help="torch.compile the model, inside the captured step. On an H200 the step compiled whole "
+                             "(older code) and captured took 1.40 ms at batch 128 against 1.81 ms captured uncompiled, "
+                             "for ~38 s of compiling with an empty cache: that pays after ~90,000 steps, 45x a 5-epoch "
+                             "run. On a 2-core CPU compiling the model saved nothing a step, for 43 s "
+                             "(results/compile_cpu.log) (default: off)")
     parser.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"],
                         help="max-autotune-no-cudagraphs times kernel variants for minutes, longer than a short run; "
                              "the modes that capture CUDA graphs themselves are not offered: the script captures the "
@@ -86,13 +90,13 @@ def augment(images, offsets, flips):
 
 def empty_plan(steps, args, device):
     """The buffers one epoch's steps read and write, on the device: each micro-batch's image indices, crop offsets and
-    flips, each step's learning rate and beta1, the step counter, and each micro-batch's loss and the correct count."""
+    flips, each step's learning rate, the step counter, and each micro-batch's loss and the correct count."""
     rows, batch_size = steps * args.accum_steps, args.batch_size
     return SimpleNamespace(
         batches=torch.zeros(rows, batch_size, dtype=torch.long, device=device),
         offsets=torch.zeros(rows, 2, batch_size, 1, dtype=torch.long, device=device),
         flips=torch.zeros(rows, batch_size, 1, dtype=torch.bool, device=device),
-        schedule=torch.zeros(steps, 2, device=device),
+        schedule=torch.zeros(steps, device=device),
         # 1 element, not 0-d: indexing by it gathers on the device, where a 0-d index would be read by the host
         step=torch.zeros(1, dtype=torch.long, device=device),
         losses=torch.zeros(rows, device=device),
@@ -118,30 +122,30 @@ def draw_epoch(run, size, epoch):
 
 
 def onecycle_schedule(max_lr, total_steps, device):
-    """OneCycleLR's learning rate and beta1 (the momentum it cycles) for every optimizer step, a row each, on `device`.
+    """OneCycleLR's learning rate for every optimizer step, on `device`.
 
-    torch's own scheduler computes them, stepped here once on a stand-in optimizer: a step reads its row, so no
-    scheduler runs on the host between steps and no value is baked into a compiled or captured step.
+    torch's own scheduler computes them, stepped here once on a stand-in optimizer: a step reads its rate, so no
+    scheduler runs on the host between steps and no rate is baked into a captured step. beta1 stays at AdamW's 0.9
+    (cycle_momentum=False): fused AdamW takes it as a number, which a captured step would keep.
     """
     stand_in = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=max_lr)
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(stand_in, max_lr=max_lr, total_steps=total_steps, pct_start=0.25)
-    rows = []
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(stand_in, max_lr=max_lr, total_steps=total_steps, pct_start=0.25,
+                                                    cycle_momentum=False)
+    rates = []
     for _ in range(total_steps):
-        group = stand_in.param_groups[0]
-        rows.append((group["lr"], group["betas"][0]))
+        rates.append(stand_in.param_groups[0]["lr"])
         stand_in.step()  # it has no gradient: nothing moves, but the scheduler sees steps in their order
         scheduler.step()
-    return torch.tensor(rows, device=device)
+    return torch.tensor(rates, device=device)
 
 
 def adamw(parameters, lr, device):
-    """torch's AdamW (weight decay 0.05) with its learning rate and betas in tensors on `device`."""
-    # opt3: the step overwrites the learning rate and beta1 from the schedule in place: in floats, a compiled or
-    # captured step would keep the first ones. capturable keeps its step count on the GPU too, so a CUDA graph can
-    # replay the update; compiled, its ops fuse into a few kernels (what fused=True does by hand)
-    betas = (torch.tensor(0.9, device=device), torch.tensor(0.999, device=device))
-    return torch.optim.AdamW(parameters, lr=torch.tensor(lr, device=device), betas=betas, weight_decay=0.05,
-                             capturable=device.type == "cuda")
+    """torch's fused AdamW (weight decay 0.05) with its learning rate in a tensor on `device`."""
+    # opt3: fused: one kernel updates every weight (a few on a GPU), not a dozen ops each, its step count kept on the
+    # device. The schedule writes the rate into the tensor in place: a float would be baked into the captured step.
+    # capturable: without it torch refuses to capture the update (fused AdamW computes the same either way)
+    return torch.optim.AdamW(parameters, lr=torch.tensor(lr, device=device), weight_decay=0.05, fused=True,
+                             capturable=True)
 
 
 def micro_batch_loss(run, micro_batch):
@@ -169,13 +173,11 @@ def micro_batch_loss(run, micro_batch):
 
 
 def optimizer_step(run):
-    """The update that ends a step: the plan's learning rate and beta1 for this step written into the optimizer's own
-    tensors, the step, the gradients dropped, and the counter moved on."""
+    """The update that ends a step: the plan's learning rate for this step written into the optimizer's own tensor,
+    the step, the gradients dropped, and the counter moved on."""
     plan = run.plan
-    lr, beta1 = plan.schedule[plan.step].squeeze(0)
     for group in run.optimizer.param_groups:
-        group["lr"].copy_(lr)  # opt3: the schedule reaches the optimizer on the device (see adamw)
-        group["betas"][0].copy_(beta1)
+        group["lr"].copy_(plan.schedule[plan.step].squeeze(0))  # opt3: the schedule reaches the optimizer on the device
     run.scaler.step(run.optimizer)
     run.scaler.update()
     run.optimizer.zero_grad()  # opt3: set_to_none (the default): backward writes each gradient afresh, no zeroing pass
@@ -190,10 +192,10 @@ def train_step(run):
     need not wait for it and a GPU can replay it as one CUDA graph.
     """
     for micro_batch in range(run.args.accum_steps):
-        loss = run.micro_batch_loss(run, micro_batch)
+        loss = micro_batch_loss(run, micro_batch)
         # opt1: float16 gradients can underflow to zero; GradScaler scales the loss up, then back
         run.scaler.scale(loss).backward()
-    run.optimizer_step(run)
+    optimizer_step(run)
 
 
 def cuda_graph(step, warmup_steps=3):
@@ -220,16 +222,13 @@ def cuda_graph(step, warmup_steps=3):
     return replay
 
 
-def capture_problem(device, amp_dtype, compiled):
+def capture_problem(device, amp_dtype, optimizer):
     """Why the step cannot be replayed as a CUDA graph here, in words, or None where it can."""
     if device.type != "cuda":
         return "not captured: CUDA graphs are CUDA's"
-    if amp_dtype == torch.float16:
+    if amp_dtype == torch.float16 and not getattr(optimizer, "_step_supports_amp_scaling", False):
+        # GradScaler hands a fused optimizer its found-inf flag on the device; for any other it reads it on the host
         return "not captured: float16's GradScaler reads on the host whether each step's gradients are finite"
-    if not compiled:
-        # torch's AdamW, uncompiled, turns its tensor betas into Python numbers for some ops: a read that waits for the
-        # GPU, which a capture forbids (seen with torch 2.11 on an H200); compiled, they stay tensors on the device
-        return "not captured: uncompiled, torch's AdamW reads its tensor betas on the host"
     return None
 
 
@@ -296,7 +295,7 @@ def main():
     torch.backends.cudnn.benchmark = True
     # opt3: channels_last (NHWC) is the layout tensor cores and the CPU's oneDNN convolutions run fastest
     model = common.ResNet10().to(device, memory_format=torch.channels_last)
-    if args.compile:
+    if args.compile:  # opt3: off by default: on a GPU the capture, not the compiler, removes the cost per step
         # opt1: fuses operations into fewer kernels: less memory traffic and Python overhead
         model.compile(mode=args.compile_mode)
     # opt2: label smoothing keeps the logits from growing without bound: better accuracy in few epochs
@@ -325,16 +324,9 @@ def main():
         statistics=channel_statistics(device),
         schedule=onecycle_schedule(args.lr, total_steps, device),
         plan=empty_plan(steps_per_epoch, args, device),
-        micro_batch_loss=micro_batch_loss,
-        optimizer_step=optimizer_step,
     )
-    if args.compile:
-        # opt3: the whole step compiled, in the two halves that autograd's backward separates (Dynamo cannot trace
-        # into it): augmentation, forward and loss; then the update and its bookkeeping
-        run.micro_batch_loss = torch.compile(micro_batch_loss, mode=args.compile_mode)
-        run.optimizer_step = torch.compile(optimizer_step, mode=args.compile_mode)
     run.train_step = functools.partial(train_step, run)
-    why_not = capture_problem(device, amp_dtype, args.compile)
+    why_not = capture_problem(device, amp_dtype, optimizer)
     if why_not is None:
         # opt3: on CUDA the whole step is captured once and replayed: one launch a step, however many kernels
         run.train_step = cuda_graph(run.train_step)

@@ -28,8 +28,11 @@ def parse_args():
     # 128 (1,940), and a GPU's small step costs its fixed per-step time, not its images: 90.5 % on the test set
     # (5 epochs of 128: 86.4 %) in 4.1 s of modelled H200 time (2.3 s); lr 0.016 = 0.008 x sqrt(4), for 4x the batch
     parser = harness.build_parser(__doc__, batch_size=512, lr=0.016, epochs=20)
-    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                        help="torch.compile the training step; --no-compile runs eager (default: on)")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                        help="torch.compile the model, a graph per image size, inside the captured step. On an H200 "
+                             "the recipe's step compiled whole (older code) and captured took 2.1 / 3.0 / 4.0 ms at 16 "
+                             "/ 24 / 32 px against 1.86 / 3.16 / 4.79 ms captured uncompiled (with AdamW alone), and "
+                             "its run spent ~82 s of 104 compiling with an empty cache (default: off)")
     parser.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"],
                         help="max-autotune-no-cudagraphs times kernel variants for minutes, longer than a short run; "
                              "the modes that capture CUDA graphs themselves are not offered: the script captures the "
@@ -117,13 +120,13 @@ def downscale(images, size):
 
 def empty_plan(steps, args, device):
     """The buffers one epoch's steps read and write, on the device: each micro-batch's image indices, crop offsets and
-    flips, each step's learning rate and beta1, the step counter, and each micro-batch's loss and the correct count."""
+    flips, each step's learning rate, the step counter, and each micro-batch's loss and the correct count."""
     rows, batch_size = steps * args.accum_steps, args.batch_size
     return SimpleNamespace(
         batches=torch.zeros(rows, batch_size, dtype=torch.long, device=device),
         offsets=torch.zeros(rows, 2, batch_size, 1, dtype=torch.long, device=device),
         flips=torch.zeros(rows, batch_size, 1, dtype=torch.bool, device=device),
-        schedule=torch.zeros(steps, 2, device=device),
+        schedule=torch.zeros(steps, device=device),
         # 1 element, not 0-d: indexing by it gathers on the device, where a 0-d index would be read by the host
         step=torch.zeros(1, dtype=torch.long, device=device),
         losses=torch.zeros(rows, device=device),
@@ -149,30 +152,30 @@ def draw_epoch(run, size, epoch):
 
 
 def onecycle_schedule(max_lr, total_steps, device):
-    """OneCycleLR's learning rate and beta1 (the momentum it cycles) for every optimizer step, a row each, on `device`.
+    """OneCycleLR's learning rate for every optimizer step, on `device`.
 
-    torch's own scheduler computes them, stepped here once on a stand-in optimizer: a step reads its row, so no
-    scheduler runs on the host between steps and no value is baked into a compiled or captured step.
+    torch's own scheduler computes them, stepped here once on a stand-in optimizer: a step reads its rate, so no
+    scheduler runs on the host between steps and no rate is baked into a captured step. beta1 stays at AdamW's 0.9
+    (cycle_momentum=False): fused AdamW takes it as a number, which a captured step would keep.
     """
     stand_in = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=max_lr)
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(stand_in, max_lr=max_lr, total_steps=total_steps, pct_start=0.25)
-    rows = []
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(stand_in, max_lr=max_lr, total_steps=total_steps, pct_start=0.25,
+                                                    cycle_momentum=False)
+    rates = []
     for _ in range(total_steps):
-        group = stand_in.param_groups[0]
-        rows.append((group["lr"], group["betas"][0]))
+        rates.append(stand_in.param_groups[0]["lr"])
         stand_in.step()  # it has no gradient: nothing moves, but the scheduler sees steps in their order
         scheduler.step()
-    return torch.tensor(rows, device=device)
+    return torch.tensor(rates, device=device)
 
 
 def adamw(parameters, lr, device):
-    """torch's AdamW (weight decay 0.05) with its learning rate and betas in tensors on `device`."""
-    # opt3: the step overwrites the learning rate and beta1 from the schedule in place: in floats, a compiled or
-    # captured step would keep the first ones. capturable keeps its step count on the GPU too, so a CUDA graph can
-    # replay the update; compiled, its ops fuse into a few kernels (what fused=True does by hand)
-    betas = (torch.tensor(0.9, device=device), torch.tensor(0.999, device=device))
-    return torch.optim.AdamW(parameters, lr=torch.tensor(lr, device=device), betas=betas, weight_decay=0.05,
-                             capturable=device.type == "cuda")
+    """torch's fused AdamW (weight decay 0.05) with its learning rate in a tensor on `device`."""
+    # opt3: fused: one kernel updates every weight (a few on a GPU), not a dozen ops each, its step count kept on the
+    # device. The schedule writes the rate into the tensor in place: a float would be baked into the captured step.
+    # capturable: without it torch refuses to capture the update (fused AdamW computes the same either way)
+    return torch.optim.AdamW(parameters, lr=torch.tensor(lr, device=device), weight_decay=0.05, fused=True,
+                             capturable=True)
 
 
 def orthogonalize(matrix, steps, dtype):
@@ -195,7 +198,7 @@ def orthogonalize(matrix, steps, dtype):
 
 class Muon(torch.optim.Optimizer):
     """Muon (Keller Jordan, 2024) for the convolution filters, with an AdamW for every other parameter inside it: one
-    optimizer, so the step's schedule writes both groups' learning rate and beta1, and GradScaler and zero_grad see
+    optimizer, so the step's schedule writes both groups' learning rate, and GradScaler and zero_grad see
     every parameter.
 
     A filter's step is its Nesterov momentum, seen as a matrix (out x in*k*k) and orthogonalized: every direction gets
@@ -208,7 +211,7 @@ class Muon(torch.optim.Optimizer):
         super().__init__(filters, {name: adamw.defaults[name] for name in ("lr", "betas", "weight_decay")})
         self.param_groups += adamw.param_groups  # the same dicts: a write to one is a write to the other
         self.adamw, self.dtype, self.steps = adamw, dtype, steps
-        # the state made here, not by the first step: a compiled step would compile again once it existed
+        # a momentum for each filter, zero before the first step
         for parameter in self.param_groups[0]["params"]:
             self.state[parameter]["momentum"] = torch.zeros_like(parameter)
 
@@ -220,7 +223,7 @@ class Muon(torch.optim.Optimizer):
             return self.adamw.step()
         grads = [parameter.grad for parameter in filters]
         momenta = [self.state[parameter]["momentum"] for parameter in filters]
-        lr, beta1 = group["lr"], group["betas"][0]  # tensors (see adamw): foreach ops take them without a host read
+        lr, beta1 = group["lr"], group["betas"][0]  # lr a tensor (see adamw): foreach ops take it without a host read
         # opt4: each update below is one foreach op over all the filters, not one op per filter
         torch._foreach_mul_(filters, 1 - lr * group["weight_decay"])  # decoupled weight decay, as AdamW's
         torch._foreach_mul_(momenta, beta1)
@@ -262,13 +265,11 @@ def micro_batch_loss(run, micro_batch, size):
 
 
 def optimizer_step(run):
-    """The update that ends a step: the plan's learning rate and beta1 for this step written into the optimizer's own
-    tensors, the step, the gradients dropped, and the counter moved on."""
+    """The update that ends a step: the plan's learning rate for this step written into the optimizer's own tensor,
+    the step, the gradients dropped, and the counter moved on."""
     plan = run.plan
-    lr, beta1 = plan.schedule[plan.step].squeeze(0)
     for group in run.optimizer.param_groups:
-        group["lr"].copy_(lr)  # opt3: the schedule reaches the optimizer on the device (see adamw)
-        group["betas"][0].copy_(beta1)
+        group["lr"].copy_(plan.schedule[plan.step].squeeze(0))  # opt3: the schedule reaches the optimizer on the device
     run.scaler.step(run.optimizer)
     run.scaler.update()
     run.optimizer.zero_grad()  # opt3: set_to_none (the default): backward writes each gradient afresh, no zeroing pass
@@ -283,10 +284,10 @@ def train_step(run, size):
     need not wait for it and a GPU can replay it as one CUDA graph.
     """
     for micro_batch in range(run.args.accum_steps):
-        loss = run.micro_batch_loss(run, micro_batch, size)
+        loss = micro_batch_loss(run, micro_batch, size)
         # opt1: float16 gradients can underflow to zero; GradScaler scales the loss up, then back
         run.scaler.scale(loss).backward()
-    run.optimizer_step(run)
+    optimizer_step(run)
 
 
 def cuda_graph(step, warmup_steps=3):
@@ -313,16 +314,13 @@ def cuda_graph(step, warmup_steps=3):
     return replay
 
 
-def capture_problem(device, amp_dtype, compiled):
+def capture_problem(device, amp_dtype, optimizer):
     """Why the step cannot be replayed as a CUDA graph here, in words, or None where it can."""
     if device.type != "cuda":
         return "not captured: CUDA graphs are CUDA's"
-    if amp_dtype == torch.float16:
+    if amp_dtype == torch.float16 and not getattr(optimizer, "_step_supports_amp_scaling", False):
+        # GradScaler hands a fused optimizer its found-inf flag on the device; for any other it reads it on the host
         return "not captured: float16's GradScaler reads on the host whether each step's gradients are finite"
-    if not compiled:
-        # torch's AdamW, uncompiled, turns its tensor betas into Python numbers for some ops: a read that waits for the
-        # GPU, which a capture forbids (seen with torch 2.11 on an H200); compiled, they stay tensors on the device
-        return "not captured: uncompiled, torch's AdamW reads its tensor betas on the host"
     return None
 
 
@@ -345,6 +343,9 @@ def train_one_epoch(run, train_data, epoch, monitor, size):
     return losses.mean().item(), run.plan.correct.item() / images_seen, steps, images_seen
 
 
+# opt4: eager even with --compile: compiled, it compiled again at each image size, about 15 s of the H200's 128-s run;
+# eager, the recipe's 20 evaluations cost a CPU no more than compiled (results/)
+@torch.compiler.set_stance("force_eager")
 def evaluate(run, test_data, size):
     """Mean loss and accuracy of the model on `test_data`, shown at size x size."""
     run.model.eval()
@@ -388,8 +389,12 @@ def main():
     torch.backends.cudnn.benchmark = True
     # opt3: channels_last (NHWC) is the layout tensor cores and the CPU's oneDNN convolutions run fastest
     model = common.ResNet10().to(device, memory_format=torch.channels_last)
-    # opt4: the evaluation runs eagerly, the model uncompiled: compiled, it compiled again at each image size, about
-    # 15 s of the H200's 128-s run; eager, the recipe's 20 evaluations cost a CPU no more than compiled (results/)
+    if args.compile:  # opt3: off by default: on a GPU the capture, not the compiler, removes the cost per step
+        # opt1: fuses operations into fewer kernels: less memory traffic and Python overhead
+        # opt4: dynamic=False compiles a graph for each image size. With the sizes symbolic (dynamic=True) inductor
+        # still recompiles at each size (its convolution backward specializes on it, torch 2.14), and its kernels
+        # are less specialized
+        model.compile(mode=args.compile_mode, dynamic=False)
     # opt2: label smoothing keeps the logits from growing without bound: better accuracy in few epochs
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     # opt1: AdamW scales each weight's step by its recent gradients, so one rate suits every layer untuned
@@ -424,24 +429,11 @@ def main():
         statistics=channel_statistics(device),
         schedule=onecycle_schedule(args.lr, total_steps, device),
         plan=empty_plan(steps_per_epoch, args, device),
-        micro_batch_loss=micro_batch_loss,
-        optimizer_step=optimizer_step,
     )
-    if args.compile:
-        # opt3: the whole step compiled, in the two halves that autograd's backward separates (Dynamo cannot trace
-        # into it): augmentation, forward and loss; then the update and its bookkeeping
-        # opt4: dynamic=False compiles a graph for each image size. With the sizes symbolic (dynamic=True) inductor
-        # still recompiles at each size (its convolution backward specializes on it, torch 2.14), and its kernels
-        # are less specialized
-        run.micro_batch_loss = torch.compile(micro_batch_loss, mode=args.compile_mode, dynamic=False)
-        # opt4: the update compiled without inductor's loop reordering, which fails an assertion on Muon's update on
-        # a GPU with torch 2.11 (seen on an H200; later versions skip the nodes it failed on)
-        no_loop_reordering = torch._inductor.config.patch(loop_ordering_after_fusion=False)
-        run.optimizer_step = no_loop_reordering(torch.compile(optimizer_step, mode=args.compile_mode))
     sizes = {image_size(epoch, args.epochs, args.min_size, full_size=train_data[0].shape[-1])
              for epoch in range(1, args.epochs + 1)}
     run.train_steps = {size: functools.partial(train_step, run, size) for size in sizes}
-    why_not = capture_problem(device, amp_dtype, args.compile)
+    why_not = capture_problem(device, amp_dtype, optimizer)
     if why_not is None:
         # opt3: on CUDA the whole step is captured once and replayed: one launch a step, however many kernels
         # opt4: a graph for each image size: a graph replays the shapes it was captured with
