@@ -555,13 +555,14 @@ def write_tiny_cifar10(root, train_per_file=20, test_size=30):
 
 def test_real_cifar10_path_reads_torchvision_layout(tmp_path, monkeypatch):
     first_image = write_tiny_cifar10(tmp_path)
-    # Our files are not the official bytes: skip torchvision's md5 checks, as ../shared/cifar10/run_local.py does.
+    args = SimpleNamespace(synthetic=False, data_dir=str(tmp_path), train_size=None, test_size=None)
+    # Read as torchvision reads them (our files are not the official bytes: its md5 check, skipped here, would fail)
     monkeypatch.setattr(torchvision.datasets.CIFAR10, "_check_integrity", lambda self: True)
     monkeypatch.setattr(torchvision.datasets.cifar, "check_integrity", lambda path, md5=None: os.path.isfile(path))
-
-    args = SimpleNamespace(synthetic=False, data_dir=str(tmp_path), train_size=None, test_size=None)
+    theirs = torchvision.datasets.CIFAR10(str(tmp_path), train=True)
     train_set, test_set = common.load_data(args, common.plain_transform(), common.plain_transform())
     assert (len(train_set), len(test_set)) == (100, 30)
+    assert np.array_equal(train_set.data, theirs.data) and train_set.targets == theirs.targets
     image, _ = train_set[0]
     assert torch.equal((image * 255).round().to(torch.uint8), torch.from_numpy(first_image))
 
@@ -572,6 +573,14 @@ def test_real_cifar10_path_reads_torchvision_layout(tmp_path, monkeypatch):
     report = read_json(json_path)
     assert report["data"] == "cifar10" and report["epochs"][0]["images"] == 6 * 16
     assert report["data_fingerprint"] == harness.data_fingerprint(args) and report["commit"] == harness.git_commit()
+
+
+def test_a_cifar10_batch_that_does_not_unpickle_exits_2_with_one_line(tmp_path):
+    write_tiny_cifar10(tmp_path)
+    (tmp_path / "cifar-10-batches-py" / "test_batch").write_bytes(b"not a pickle")
+    result = run_script("opt3.py", "--data-dir", tmp_path, "--device", "cpu", "--epochs", "1")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "test_batch is not a CIFAR-10 batch" in result.stderr and "to download it again" in result.stderr
 
 
 def test_rows_name_their_data_by_the_md5s_of_its_files(tmp_path):
