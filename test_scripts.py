@@ -1306,36 +1306,13 @@ def test_the_default_path_compiles_nothing(default_run, request):
 
 
 def eager_ops_per_step(trace_folder):
-    """Kernel-launching ops each traced training step runs outside compiled code, from a --profile trace: within each
-    ProfilerStep, the outermost aten ops on each thread that no compiled graph's call encloses, counted where they or
-    an op inside them launch a kernel (not a view or metadata). Returns each step's count and its ops by name."""
-    metadata = {"detach", "detach_", "view", "reshape", "_reshape_alias", "t", "numpy_T", "transpose", "permute",
-                "expand", "expand_as", "as_strided", "unsqueeze", "squeeze", "select", "slice", "alias",
-                "_unsafe_view", "empty", "empty_like", "empty_strided", "lift_fresh", "resolve_conj", "resolve_neg",
-                "split", "split_with_sizes", "unbind", "chunk", "flatten", "contiguous", "to", "type_as",
-                "result_type", "is_nonzero", "size", "stride", "dim", "view_as", "unflatten", "narrow", "diagonal",
-                "set_", "_has_compatible_shallow_copy_type"}
-    trace = sorted(Path(trace_folder).rglob("*.json"))[-1]
-    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X" and "dur" in e]
-
-    def within(inner, outer):
-        return inner["tid"] == outer["tid"] and outer["ts"] <= inner["ts"] <= inner["ts"] + inner["dur"] <= \
-            outer["ts"] + outer["dur"]
-    steps = [e for e in events if e["name"].startswith("ProfilerStep#")]
-    compiled = [e for e in events if e["name"].startswith("## Call CompiledFxGraph") or "CUDAGraph" in e["name"]
-                or "cudaGraphLaunch" in e["name"]]
-    ops = sorted((e for e in events if e.get("cat") == "cpu_op" and e["name"].startswith("aten::")
-                  and any(within(e, s) for s in steps) and not any(within(e, c) for c in compiled)),
-                 key=lambda e: (e["tid"], e["ts"], -e["dur"]))
-    outer, nested = [], collections.defaultdict(list)
-    for e in ops:
-        if outer and within(e, outer[-1]):
-            nested[id(outer[-1])].append(e)
-        else:
-            outer.append(e)
-    launches = lambda e: e["name"][len("aten::"):] not in metadata  # noqa: E731
-    counted = [e for e in outer if launches(e) or any(launches(n) for n in nested[id(e)])]
-    by_step = [collections.Counter(e["name"] for e in counted if within(e, step)) for step in steps]
+    """Kernel-launching ops each traced training step runs outside compiled code, from a --profile trace, by the rule
+    of results/eager_ops.py (the counter the results page uses). Returns each step's count and its ops by name."""
+    spec = importlib.util.spec_from_file_location("eager_ops", ROOT / "results" / "eager_ops.py")
+    eager_ops = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(eager_ops)
+    steps, counted = eager_ops.counted_ops(eager_ops.complete_events(eager_ops.trace_file(str(trace_folder))))
+    by_step = [collections.Counter(op["name"] for op in counted if eager_ops.within(op, step)) for step in steps]
     return [sum(names.values()) for names in by_step], by_step
 
 
