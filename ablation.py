@@ -1,14 +1,14 @@
-"""ablation.py: opt4 with one technique switched per row, each row its own run, as data.
+"""ablation.py: opt5 with one technique switched per row, each row its own run, as data.
 
     python ablation.py --data-dir ./data --rows shipped adamw smoothing-0    # appends to results/recipe.jsonl
     python ablation.py --rows shipped ema --synthetic --epochs 2 --train-size 2048 --json /tmp/ablation.jsonl
     python plot.py --tables                                                  # the tables, with the other results
 
-Each row runs opt4.py's own main() in a fresh process (launched as this one was) with one change applied from
-outside, so opt4.py keeps only what earns its place. After training, every row scores its final weights on the
-whole test set from 1 view per image, 2 (the image and its mirror: opt4's own evaluation) and 6 (both also
+Each row runs opt5.py's own main() in a fresh process (launched as this one was) with one change applied from
+outside, so opt5.py keeps only what earns its place. After training, every row scores its final weights on the
+whole test set from 1 view per image, 2 (the image and its mirror: opt5's own evaluation) and 6 (both also
 shifted one pixel up-left and down-right: flip + translate test-time augmentation). Any flag not listed below is
-opt4.py's (see `python opt4.py --help`) and goes to every row; without such flags a row is opt4 as it ships (the
+opt5.py's (see `python opt5.py --help`) and goes to every row; without such flags a row is opt5 as it ships (the
 recipe: 20 epochs of batch 512, Muon) with its one change. The rows of results/ablation.jsonl (the first 9, shipped
 to nesterov) were measured before the recipe, with AdamW at 5 epochs of batch 128: give those names to --rows with
 `--epochs 5 --batch-size 128 --lr 0.008 --optimizer adamw --json results/ablation.jsonl` to run them again. The
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 import common
 import harness
-import opt4
+import opt5
 
 
 # ------------------------------------------------------------------------- the techniques
@@ -57,43 +57,43 @@ def whitening_weights(images, eps=5e-4):
 
 def whitening_stem(patch, images_used=5000):
     """The stem's convolution is frozen: 54 filters whiten 3x3 patches of training images, 10 stay random."""
-    load, build, loaded = opt4.load_to_device, common.ResNet10, []
+    load, build, loaded = opt5.load_to_device, common.ResNet10, []
 
     def load_and_keep(dataset, device):
-        loaded.append(load(dataset, device))  # opt4 loads the training set first
+        loaded.append(load(dataset, device))  # opt5 loads the training set first
         return loaded[-1]
 
     def model():
         network = build()
         stem = network.stem[0]
         images = loaded[0][0][:images_used]
-        weights = whitening_weights(opt4.normalize(images, opt4.channel_statistics(images.device)).cpu())
+        weights = whitening_weights(opt5.normalize(images, opt5.channel_statistics(images.device)).cpu())
         with torch.no_grad():
             stem.weight[:len(weights)] = weights.to(stem.weight.device)
         stem.weight.requires_grad_(False)  # an optimizer skips a weight that gets no gradient
         return network
-    patch(opt4, "load_to_device", load_and_keep)
+    patch(opt5, "load_to_device", load_and_keep)
     patch(common, "ResNet10", model)
 
 
 def alternating_flip(patch):
     """Each image is mirrored in epoch 1 by a coin toss, then in every other epoch after it: over any two epochs
     each image is seen both ways, where independent coins show a quarter of them the same way twice."""
-    draw, first_flips = opt4.draw_epoch, []
+    draw, first_flips = opt5.draw_epoch, []
 
     def draw_epoch(run, size, epoch):
-        draw(run, size, epoch)  # opt4's batches and crops; its coin per position in a batch is replaced below
+        draw(run, size, epoch)  # opt5's batches and crops; its coin per position in a batch is replaced below
         if not first_flips:
             generator = torch.Generator(run.device).manual_seed(run.args.seed)
             first_flips.append(torch.rand(size, device=run.device, generator=generator) < 0.5)
         run.plan.flips.copy_((first_flips[0][run.plan.batches] ^ (epoch % 2 == 0)).unsqueeze(-1))
-    patch(opt4, "draw_epoch", draw_epoch)
+    patch(opt5, "draw_epoch", draw_epoch)
 
 
 def ema_of_the_weights(patch, decay=0.99):
     """An exponential moving average of the weights and BatchNorm statistics, updated after every optimizer step;
-    the row scores the average, not the last weights (opt4's own per-epoch lines still show the last weights)."""
-    train = opt4.train_one_epoch
+    the row scores the average, not the last weights (opt5's own per-epoch lines still show the last weights)."""
+    train = opt5.train_one_epoch
 
     def train_one_epoch(run, train_data, epoch, monitor, size):
         if not hasattr(run, "average"):
@@ -107,22 +107,22 @@ def ema_of_the_weights(patch, decay=0.99):
                         average.lerp_(current[name], 1 - decay)
             run.optimizer.register_step_post_hook(update)
         return train(run, train_data, epoch, monitor, size)
-    patch(opt4, "train_one_epoch", train_one_epoch)
+    patch(opt5, "train_one_epoch", train_one_epoch)
 
 
 def nesterov_sgd(patch):
     """SGD with Nesterov momentum 0.9 and weight decay 5e-4, the CIFAR-10 speed records' optimizer, in place of
-    AdamW (with --lr 0.2). Its rate follows OneCycleLR's table; its momentum stays 0.9 (measured before opt3's table,
+    AdamW (with --lr 0.2). Its rate follows OneCycleLR's table; its momentum stays 0.9 (measured before opt4's table,
     OneCycleLR cycled it)."""
     def sgd(parameters, lr, device):
         return torch.optim.SGD(parameters, lr=torch.tensor(lr, device=device), momentum=0.9, nesterov=True,
                                weight_decay=5e-4)
-    patch(opt4, "adamw", sgd)
+    patch(opt5, "adamw", sgd)
 
 
-# (row, opt4 flags, technique or None, what it changes)
+# (row, opt5 flags, technique or None, what it changes)
 ROWS = [
-    ("shipped", [], None, "opt4 as shipped"),
+    ("shipped", [], None, "opt5 as shipped"),
     ("no-resizing", ["--min-size", "32"], None, "progressive resizing off: 32x32 every epoch"),
     ("full-eval", ["--monitor-size", str(common.CIFAR10_TEST_SIZE)], None,
      "the whole test set after every epoch instead of the 1,000-image monitor"),
@@ -136,7 +136,7 @@ ROWS = [
     ("adamw", ["--optimizer", "adamw"], None, "AdamW for the filters too instead of Muon"),
     ("smoothing-0", ["--label-smoothing", "0"], None, "no label smoothing instead of 0.1"),
     ("epochs-5-batch-128", ["--epochs", "5", "--batch-size", "128", "--lr", "0.008"], None,
-     "5 epochs of batch 128 at lr 0.008 (opt4's defaults before the recipe) instead of 20 of 512 at 0.016"),
+     "5 epochs of batch 128 at lr 0.008 (opt5's defaults before the recipe) instead of 20 of 512 at 0.016"),
 ]
 ROW_NAMES = [name for name, *_ in ROWS]
 
@@ -151,9 +151,9 @@ def shifted(images, rows, columns):
 
 
 def score(run, test_data):
-    """Accuracy on `test_data` from 1, 2 and 6 views per image, and the seconds the 4 views beyond opt4's 2 took.
+    """Accuracy on `test_data` from 1, 2 and 6 views per image, and the seconds the 4 views beyond opt5's 2 took.
 
-    Views come in pairs (an image and its mirror) in one call, as in opt4's evaluate, so its 2 views are opt4's own.
+    Views come in pairs (an image and its mirror) in one call, as in opt5's evaluate, so its 2 views are opt5's own.
     """
     run.model.eval()
     all_images, all_labels = test_data
@@ -163,12 +163,12 @@ def score(run, test_data):
         for rows, columns in [(0, 0), (-1, -1), (1, 1)]:  # as is, one pixel up-left, one pixel down-right
             start, firsts, means = common.now(run.device), [], []
             for first in range(0, len(all_labels), batch_size):
-                images = opt4.normalize(all_images[first:first + batch_size], run.statistics)
+                images = opt5.normalize(all_images[first:first + batch_size], run.statistics)
                 images = shifted(images, rows, columns).contiguous(memory_format=torch.channels_last)
                 with torch.autocast(run.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32):
                     outputs = run.model(torch.cat([images, images.flip(3)])).view(2, len(images), -1)
                 firsts.append(outputs[0].float())
-                means.append(outputs.mean(0).float())  # the mean in the autocast type, as opt4 takes it
+                means.append(outputs.mean(0).float())  # the mean in the autocast type, as opt5 takes it
             one_view.append(torch.cat(firsts))
             pairs.append(torch.cat(means))
             seconds.append(common.now(run.device) - start)
@@ -182,43 +182,43 @@ def score(run, test_data):
 # -------------------------------------------------------------------------------- the runs
 
 def parse_args():
-    """ablation.py's own flags, and the rest: opt4.py's flags, which opt4's parser checks here, before any row."""
+    """ablation.py's own flags, and the rest: opt5.py's flags, which opt5's parser checks here, before any row."""
     parser = harness.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", nargs="+", choices=ROW_NAMES, default=ROW_NAMES, metavar="ROW",
                         help=f"the rows to run, in this order, from: {' '.join(ROW_NAMES)} (default: all)")
     parser.add_argument("--json", metavar="PATH", default="results/recipe.jsonl",
-                        help="append one JSON line per row: opt4's report and the row's scores "
+                        help="append one JSON line per row: opt5's report and the row's scores "
                              "(default: results/recipe.jsonl, with the recipe's other runs)")
     parser.add_argument("--row", choices=ROW_NAMES, help=argparse.SUPPRESS)  # one row, in this process
-    args, opt4_flags = parser.parse_known_args()
+    args, opt5_flags = parser.parse_known_args()
     command_line = sys.argv
-    sys.argv = ["opt4.py", *opt4_flags]
+    sys.argv = ["opt5.py", *opt5_flags]
     try:
-        opt4.parse_args()  # a bad flag exits 2 with opt4's one line
+        opt5.parse_args()  # a bad flag exits 2 with opt5's one line
     finally:
         sys.argv = command_line
     try:
         Path(args.json).open("a").close()
     except OSError as error:
         common.fail(f"cannot append to --json {args.json} ({error.strerror}); give a path in a folder that exists")
-    return args, opt4_flags
+    return args, opt5_flags
 
 
-def run_row(name, opt4_flags, json_path):
-    """Apply the row's technique in this process, run opt4's main(), score the final weights, append one line."""
+def run_row(name, opt5_flags, json_path):
+    """Apply the row's technique in this process, run opt5's main(), score the final weights, append one line."""
     _, row_flags, technique, change = ROWS[ROW_NAMES.index(name)]
     if technique is not None:
         technique(setattr)
-    evaluate, last_evaluation = opt4.evaluate, []
+    evaluate, last_evaluation = opt5.evaluate, []
 
     def evaluate_and_keep(run, test_data, size):
         last_evaluation[:] = [run, test_data]  # the last call evaluates the whole test set after training
         return evaluate(run, test_data, size)
-    opt4.evaluate = evaluate_and_keep
+    opt5.evaluate = evaluate_and_keep
     with tempfile.TemporaryDirectory() as folder:
-        report_path = Path(folder) / "opt4.jsonl"
-        sys.argv = [sys.argv[0], *opt4_flags, *row_flags, "--json", str(report_path)]  # the row's flags win
-        opt4.main()
+        report_path = Path(folder) / "opt5.jsonl"
+        sys.argv = [sys.argv[0], *opt5_flags, *row_flags, "--json", str(report_path)]  # the row's flags win
+        opt5.main()
         report = json.loads(report_path.read_text())
     run, test_data = last_evaluation
     if hasattr(run, "average"):
@@ -228,21 +228,21 @@ def run_row(name, opt4_flags, json_path):
     print(f"row {name}: test acc {100 * scores['1_view']:.2f}% from 1 view, {100 * scores['2_views']:.2f}% from 2, "
           f"{100 * scores['6_views']:.2f}% from 6 (+{scores['extra_view_seconds']:.0f} s) | "
           f"{report['launch_to_result_seconds']:.0f} s from launch to result", flush=True)
-    line = {**report, "command": shlex.join(["python", "ablation.py", "--rows", name, *opt4_flags]), "row": name,
+    line = {**report, "command": shlex.join(["python", "ablation.py", "--rows", name, *opt5_flags]), "row": name,
             "change": change, **scores, "launch_to_result_6_views_seconds": with_extra_views}
     with open(json_path, "a") as file:
         file.write(json.dumps(line) + "\n")
 
 
 def main():
-    args, opt4_flags = parse_args()
+    args, opt5_flags = parse_args()
     if args.row is not None:
-        return run_row(args.row, opt4_flags, args.json)
+        return run_row(args.row, opt5_flags, args.json)
     # Each row in a fresh process, launched as this one was: python and any wrapper script before ablation.py
     launcher = [sys.executable, *sys.orig_argv[1:len(sys.orig_argv) - len(sys.argv)]]
     for number, name in enumerate(args.rows, 1):
         print(f"\n== row {number}/{len(args.rows)}: {name}: {ROWS[ROW_NAMES.index(name)][3]}", flush=True)
-        returncode = subprocess.run([*launcher, __file__, "--row", name, "--json", args.json, *opt4_flags]).returncode
+        returncode = subprocess.run([*launcher, __file__, "--row", name, "--json", args.json, *opt5_flags]).returncode
         if returncode != 0:
             common.fail(f"row {name} ended with exit code {returncode}; the rows before it are in {args.json}",
                         code=returncode)

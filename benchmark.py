@@ -3,9 +3,9 @@
     python benchmark.py --json my-gpu.jsonl       # each script at its defaults on CIFAR-10 (./data, downloaded)
     python benchmark.py --ladder --device cuda --train-size 50000 --test-size 10000 --epochs 3
 
-The chain (the default): baseline.py, opt1.py, ... opt4.py one after the other, each at its own defaults (batch,
-learning rate, epochs: 5, and opt4's recipe 20) on real data, each in its own process: what `python optN.py` gives
-you. The table has its steady images/s (epochs 2 on; per image size for opt4), the speedup over baseline.py's, its
+The chain (the default): baseline.py, opt1.py, ... opt5.py one after the other, each at its own defaults (batch,
+learning rate, epochs: 5, and opt5's recipe 20) on real data, each in its own process: what `python optN.py` gives
+you. The table has its steady images/s (epochs 2 on; per image size for opt5), the speedup over baseline.py's, its
 test accuracy, the seconds from launch to result, the first epoch's seconds (compiling included) and the seconds
 before the first step. With --json every script's own --json line is appended (the rows results/ holds), then one
 line with the table.
@@ -31,7 +31,7 @@ import common
 import harness
 
 ROOT = Path(__file__).resolve().parent
-SCRIPTS = ["baseline.py", "opt1.py", "opt2.py", "opt3.py", "opt4.py"]  # the chain (opt5 runs under torchrun)
+SCRIPTS = ["baseline.py", "opt1.py", "opt2.py", "opt4.py", "opt5.py"]  # the chain (opt6 runs under torchrun)
 # The ladder: each rung switches on one group of optimizations with a flag the scripts already have.
 # (rung, script, flags, the rung it is compared with, what it adds, what of that acts only on a GPU)
 LADDER = [
@@ -43,10 +43,10 @@ LADDER = [
      "OneCycleLR, normalize + crop + flip, label smoothing, inference_mode",
      "pinned memory, non_blocking copies"),
     ("opt2, 2 workers", "opt2.py", ["--workers", "2"], "opt2, 0 workers", "2 loader processes", ""),
-    ("opt3 eager", "opt3.py", [], "opt2, 0 workers",
+    ("opt4 eager", "opt4.py", [], "opt2, 0 workers",
      "data on the device, channels_last, the step on device buffers, fused AdamW, no host sync, flip TTA; minus "
      "torch.compile", "no host sync; the step captured as one CUDA graph"),
-    ("opt3", "opt3.py", ["--compile"], "opt3 eager", "torch.compile (the model; before the step's two halves)", ""),
+    ("opt4", "opt4.py", ["--compile"], "opt4 eager", "torch.compile (the model; before the step's two halves)", ""),
 ]
 
 
@@ -62,7 +62,7 @@ def parse_args():
     add("--scripts", nargs="+", default=SCRIPTS, help=f"the chain's scripts, in order (default: {' '.join(SCRIPTS)})")
     add("--repeats", type=harness.positive_int, default=None, help="rounds over all runs (default: chain 1, ladder 3)")
     add("--epochs", type=int, default=None,
-        help="epochs per run; steady state needs 2 or more (default: chain each script's own, 5, opt4 20; ladder 2)")
+        help="epochs per run; steady state needs 2 or more (default: chain each script's own, 5, opt5 20; ladder 2)")
     add("--batch-size", type=harness.positive_int, default=None,
         help="the same for every run (default: chain each script's own; ladder 128)")
     add("--train-size", type=harness.positive_int, default=None,
@@ -145,7 +145,7 @@ def medians(results, peak_tflops):
 
 
 def steady_by_size(report):
-    """{image size: (images/s, ms/step)} of the steady epochs: epochs 2 on, or where the size changes (opt4), each
+    """{image size: (images/s, ms/step)} of the steady epochs: epochs 2 on, or where the size changes (opt5), each
     size's epochs after its first (a size trained one epoch only, compiling, is left out); "all": one size
     throughout."""
     if report["steady_images_per_second"] is not None:

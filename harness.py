@@ -35,7 +35,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import common
 from common import fail
 
-# torch warns once when an optimizer built capturable=True (opt3 on: a CUDA graph replays its update) steps uncaptured,
+# torch warns once when an optimizer built capturable=True (opt4 on: a CUDA graph replays its update) steps uncaptured,
 # as it does by design here: the warm-up steps before the capture, a step under DDP, update_flops' copy of it
 warnings.filterwarnings("ignore", message=".*capturable=True.*")
 
@@ -45,6 +45,8 @@ except ImportError:  # Windows
     resource = None
 
 
+# Which numbering of the chain a --json row's "script" uses (see report)
+CHAIN_NUMBERING = 2
 # A long epoch (minutes on a CPU) prints a progress line this often.
 PROGRESS_SECONDS = 30
 # Where the launch clock starts on systems without /proc: when the first script imports this module.
@@ -390,8 +392,8 @@ def update_flops(optimizer):
 
 
 # A GPU's training time, modelled (how the recipe work is counted): each optimizer step takes its FLOPs at the
-# 240 TFLOP/s opt3 reached on an H200 at batch 1,024, but no less than 1.2 ms, the per-step floor of a step
-# captured whole (results/README.md, "On one GPU")
+# 240 TFLOP/s the captured step (opt4's) reached on an H200 at batch 1,024, but no less than 1.2 ms, the per-step
+# floor of a step captured whole (results/README.md, "On one GPU")
 H200_FLOPS_PER_SECOND, H200_STEP_SECONDS = 240e12, 1.2e-3
 
 
@@ -555,7 +557,7 @@ def summarize(records, total_seconds, peak_memory, flops_per_image):
 
 def report(script, run, records, total_seconds):
     """Print the run's summary and, with --json, append it with every setting and epoch (the optimizer's last
-    learning rate, each epoch's FLOPs and modelled H200 time, and opt5's number of processes included)."""
+    learning rate, each epoch's FLOPs and modelled H200 time, and opt6's number of processes included)."""
     args, device, optimizer = run.args, run.device, run.optimizer
     # The clock started just before the first epoch's first step: what came before it is setup (imports, checks,
     # data, model, schedule)
@@ -592,6 +594,9 @@ def report(script, run, records, total_seconds):
             # which files: the official CIFAR-10's fingerprint is fingerprint() of torchvision's md5s
             "data_fingerprint": data_fingerprint(args),
             "commit": git_commit(),
+            # the scripts' numbering: 2 since opt3 was split in two (opt3.py the data on the device, opt4.py the
+            # captured step); a row without it names the scripts as before (results/README.md reads it through a table)
+            "chain": CHAIN_NUMBERING,
             "settings": vars(args),
             **summary,
             **({"world_size": run.world_size} if hasattr(run, "world_size") else {}),

@@ -1,14 +1,11 @@
-"""opt4.py: opt3.py + more accuracy for the work: progressive resizing (early epochs on smaller
-images), Muon for the convolution filters (more accuracy per step), a small test subset after each
-epoch (the whole test set only at the end), and the recipe: 20 epochs of batch 512, as many steps
-as 5 epochs of 128.
+"""opt4.py: opt2.py + bfloat16, channels_last, the dataset kept on the device and augmented there in
+whole batches, the whole training step as one function that the host never waits on (on a GPU
+captured once as a CUDA graph and replayed, uncompiled), fused AdamW, and flip test-time augmentation.
 
-    python opt4.py                          # the recipe, 20 epochs, on CIFAR-10 in ./data, downloaded if missing
+    python opt4.py --epochs 5               # CIFAR-10 in ./data, downloaded if missing
     python opt4.py --synthetic --epochs 2   # no download: measures speed only
 
-opt1-opt3 make each step faster; opt4 makes the run need less work, judged by the time from launch
-to the final accuracy (every epoch records it). Each optimization is marked `# opt4:` where it
-happens; read `diff -u opt3.py opt4.py`.
+Each optimization is marked `# opt4:` where it happens; read `diff -u opt2.py opt4.py`.
 """
 import argparse
 import functools
@@ -24,15 +21,13 @@ import harness
 
 def parse_args():
     # opt2: a bigger batch keeps the GPU busy with fewer, larger kernels and fewer optimizer steps
-    # opt4: the recipe, chosen on 5,000 held-out training images: 20 epochs of batch 512 are as many steps as 5 of
-    # 128 (1,940), and a GPU's small step costs its fixed per-step time, not its images: 90.5 % on the test set
-    # (5 epochs of 128: 86.4 %) in 4.1 s of modelled H200 time (2.3 s); lr 0.016 = 0.008 x sqrt(4), for 4x the batch
-    parser = harness.build_parser(__doc__, batch_size=512, lr=0.016, epochs=20)
+    parser = harness.build_parser(__doc__, batch_size=128, lr=8e-3)
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
-                        help="torch.compile the model, a graph per image size, inside the captured step. On an H200 "
-                             "the recipe's step compiled whole (older code) and captured took 2.1 / 3.0 / 4.0 ms at 16 "
-                             "/ 24 / 32 px against 1.86 / 3.16 / 4.79 ms captured uncompiled (with AdamW alone), and "
-                             "its run spent ~82 s of 104 compiling with an empty cache (default: off)")
+                        help="torch.compile the model, inside the captured step. On an H200 the step compiled whole "
+                             "(older code) and captured took 1.40 ms at batch 128 against 1.81 ms captured uncompiled, "
+                             "for ~38 s of compiling with an empty cache: that pays after ~90,000 steps, 45x a 5-epoch "
+                             "run. On a 2-core CPU compiling the model saved nothing a step, for 43 s "
+                             "(results/compile_cpu.log) (default: off)")
     parser.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"],
                         help="max-autotune-no-cudagraphs times kernel variants for minutes, longer than a short run; "
                              "the modes that capture CUDA graphs themselves are not offered: the script captures the "
@@ -41,17 +36,6 @@ def parse_args():
                         help="micro-batches per optimizer step; effective batch = batch size x this (default: 1)")
     parser.add_argument("--label-smoothing", type=harness.fraction, default=0.1,
                         help="weight of the uniform target mixed into each label (default: 0.1)")
-    parser.add_argument("--min-size", type=int, default=16, choices=[8, 16, 24, 32],
-                        help="image size of the first epoch; it grows to the full size (32) by the last (default: 16)")
-    parser.add_argument("--monitor-size", type=harness.positive_int, default=1000,
-                        help="test images evaluated after each epoch but the last, which evaluates them all "
-                             "(default: 1000)")
-    parser.add_argument("--optimizer", choices=["muon", "adamw"], default="muon",
-                        help="muon: Muon for the convolution filters and AdamW for the rest; adamw: AdamW for all, "
-                             "as opt3 (default: muon)")
-    parser.add_argument("--ns-steps", type=harness.positive_int, default=3,
-                        help="Newton-Schulz iterations in each Muon update: 3, as airbench94_muon.py (a CIFAR-10 "
-                             "speed record) runs; 5, torch.optim.Muon's default, is 5/3 the matmul work (default: 3)")
     args = parser.parse_args()
     return harness.check_args(args, images_per_step=args.batch_size * args.accum_steps)
 
@@ -59,7 +43,7 @@ def parse_args():
 def autocast_dtype(device):
     """The 16-bit type `device` runs natively, or float32 where it has none; and why, in words, for the log."""
     if device.type == "cuda":
-        # opt3: bfloat16 where the GPU runs it natively (Ampere, sm_80, and newer): float32's range, so no
+        # opt4: bfloat16 where the GPU runs it natively (Ampere, sm_80, and newer): float32's range, so no
         # GradScaler and no skipped steps. Not is_bf16_supported() alone: it also counts GPUs that only
         # emulate bfloat16 (T4, sm_75), where inductor will not compile it and the model would run eager and slow
         if torch.cuda.is_bf16_supported(including_emulation=False):
@@ -102,20 +86,6 @@ def augment(images, offsets, flips):
     image_index = torch.arange(batch, device=device).view(batch, 1, 1, 1)
     channel_index = torch.arange(channels, device=device).view(1, channels, 1, 1)
     return padded[image_index, channel_index, rows.view(batch, 1, height, 1), columns.view(batch, 1, 1, width)]
-
-
-def image_size(epoch, epochs, min_size, full_size):
-    """The side of the images trained on in `epoch`, from min_size up in steps of 8: each size gets an equal share
-    of the epochs (the smaller ones any left over) and the last epoch is at full_size: 16,16,24,24,32,32 for 6."""
-    sizes = range(min_size, full_size + 1, 8)
-    return sizes[(epoch - 1) * len(sizes) // epochs] if epoch < epochs else full_size
-
-
-def downscale(images, size):
-    """Shrink a batch of square images to size x size; each new pixel is the mean of the pixels it covers."""
-    if size == images.shape[-1]:
-        return images
-    return F.interpolate(images, size=(size, size), mode="area")
 
 
 def empty_plan(steps, args, device):
@@ -171,94 +141,32 @@ def onecycle_schedule(max_lr, total_steps, device):
 
 def adamw(parameters, lr, device):
     """torch's fused AdamW (weight decay 0.05) with its learning rate in a tensor on `device`."""
-    # opt3: fused: one kernel updates every weight (a few on a GPU), not a dozen ops each, its step count kept on the
+    # opt4: fused: one kernel updates every weight (a few on a GPU), not a dozen ops each, its step count kept on the
     # device. The schedule writes the rate into the tensor in place: a float would be baked into the captured step.
     # capturable: without it torch refuses to capture the update (fused AdamW computes the same either way)
     return torch.optim.AdamW(parameters, lr=torch.tensor(lr, device=device), weight_decay=0.05, fused=True,
                              capturable=True)
 
 
-def orthogonalize(matrix, steps, dtype):
-    """Roughly the semi-orthogonal matrix nearest `matrix` (U V^T of its SVD), by `steps` Newton-Schulz iterations in
-    `dtype`: matmuls only, no SVD. Keller Jordan's coefficients take each singular value above a threshold to 0.68-1.2
-    (rather than to exactly 1 in many more steps, and that trains as well); each step multiplies a small one by about
-    3.4, less as it grows, so the threshold is 1/56 of the matrix's Frobenius norm after 3 steps, 1/660 after 5."""
-    a, b, c = 3.4445, -4.7750, 2.0315
-    x = matrix.to(dtype)
-    tall = x.shape[0] > x.shape[1]
-    if tall:
-        x = x.T  # x @ x.T is then the smaller of the two Gram matrices
-    x = x / x.norm().clamp(min=1e-7)  # the Frobenius norm bounds the largest singular value: now all are at most 1
-    for _ in range(steps):
-        gram = x @ x.T
-        # a x + b x^3 + c x^5 on each singular value; addmm rounds its sum once, not once per term
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.T if tall else x
-
-
-class Muon(torch.optim.Optimizer):
-    """Muon (Keller Jordan, 2024) for the convolution filters, with an AdamW for every other parameter inside it: one
-    optimizer, so the step's schedule writes both groups' learning rate, and GradScaler and zero_grad see
-    every parameter.
-
-    A filter's step is its Nesterov momentum, seen as a matrix (out x in*k*k) and orthogonalized: every direction gets
-    a step of the same size, so the rare directions that a gradient step all but ignores learn as fast as the common
-    ones. Scaled by 0.2 sqrt(max(out, in*k*k)), its size matches AdamW's (Moonlight, Liu et al., 2025), so AdamW's
-    rate and weight decay carry over. torch.optim.Muon (torch 2.9 and newer) takes 2-D weights only.
-    """
-
-    def __init__(self, filters, adamw, dtype, steps):
-        super().__init__(filters, {name: adamw.defaults[name] for name in ("lr", "betas", "weight_decay")})
-        self.param_groups += adamw.param_groups  # the same dicts: a write to one is a write to the other
-        self.adamw, self.dtype, self.steps = adamw, dtype, steps
-        # a momentum for each filter, zero before the first step
-        for parameter in self.param_groups[0]["params"]:
-            self.state[parameter]["momentum"] = torch.zeros_like(parameter)
-
-    @torch.no_grad()
-    def step(self):
-        group = self.param_groups[0]
-        filters = [parameter for parameter in group["params"] if parameter.grad is not None]
-        if not filters:  # no filter has a gradient (all frozen, say): foreach ops refuse an empty list
-            return self.adamw.step()
-        grads = [parameter.grad for parameter in filters]
-        momenta = [self.state[parameter]["momentum"] for parameter in filters]
-        lr, beta1 = group["lr"], group["betas"][0]  # lr a tensor (see adamw): foreach ops take it without a host read
-        # opt4: each update below is one foreach op over all the filters, not one op per filter
-        torch._foreach_mul_(filters, 1 - lr * group["weight_decay"])  # decoupled weight decay, as AdamW's
-        torch._foreach_mul_(momenta, beta1)
-        torch._foreach_add_(momenta, torch._foreach_mul(grads, 1 - beta1))
-        # Nesterov momentum: the gradient moved a beta1 of the way to the new momentum
-        updates = torch._foreach_add(torch._foreach_mul(grads, 1 - beta1), torch._foreach_mul(momenta, beta1))
-        # each filter as a matrix, orthogonalized, and scaled to AdamW's step size
-        updates = [orthogonalize(update.flatten(1), self.steps, self.dtype).view_as(update) for update in updates]
-        torch._foreach_mul_(updates, [-0.2 * max(update.shape[0], update[0].numel()) ** 0.5 for update in updates])
-        torch._foreach_mul_(updates, lr)
-        torch._foreach_add_(filters, updates)
-        self.adamw.step()
-
-
-def micro_batch_loss(run, micro_batch, size):
+def micro_batch_loss(run, micro_batch):
     """Micro-batch `micro_batch` of the step the plan's counter is at: its images gathered from the dataset on the
-    device, normalized, cropped, flipped and shrunk to size x size, the model's loss over them (divided by
-    --accum-steps), and its loss and correct count kept on the device."""
+    device, normalized, cropped and flipped, the model's loss over them (divided by --accum-steps), and its loss and
+    correct count kept on the device."""
     plan, (all_images, all_labels) = run.plan, run.train_data
     row = plan.step * run.args.accum_steps + micro_batch
     indices = plan.batches[row].squeeze(0)
-    # opt3: normalize, crop and flip the whole batch on the device; channels_last for the model
+    # opt4: normalize, crop and flip the whole batch on the device; channels_last for the model
     offsets, flips = plan.offsets[row].squeeze(0), plan.flips[row].squeeze(0)
     images = augment(normalize(all_images[indices], run.statistics), offsets, flips)
-    # opt4: progressive resizing: a convolution's work scales with the pixels, so a 16x16 epoch has a quarter of a
-    # 32x32 one's; ResNet10 pools globally, so it takes any size, and the last epochs teach it 32x32
-    images = downscale(images, size).contiguous(memory_format=torch.channels_last)
+    images = images.contiguous(memory_format=torch.channels_last)
     labels = all_labels[indices]
     # opt1: autocast runs convolutions in 16-bit where it is native: half the memory traffic, tensor cores
-    # opt3: without autocast's cache of cast weights, which a CUDA graph capture must not keep
+    # opt4: without autocast's cache of cast weights, which a CUDA graph capture must not keep
     with torch.autocast(run.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32,
                         cache_enabled=False):
         outputs = run.model(images)
         loss = run.criterion(outputs, labels)
-    # opt3: losses and correct counts stay on the device: reading them per step would wait for the GPU
+    # opt4: losses and correct counts stay on the device: reading them per step would wait for the GPU
     plan.losses[row] = loss.detach()
     plan.correct.add_((outputs.argmax(1) == labels).sum())  # add_: `+=` would store the attribute, a graph break
     return loss / run.args.accum_steps  # opt2: the mean over the effective batch
@@ -269,14 +177,14 @@ def optimizer_step(run):
     the step, the gradients dropped, and the counter moved on."""
     plan = run.plan
     for group in run.optimizer.param_groups:
-        group["lr"].copy_(plan.schedule[plan.step].squeeze(0))  # opt3: the schedule reaches the optimizer on the device
+        group["lr"].copy_(plan.schedule[plan.step].squeeze(0))  # opt4: the schedule reaches the optimizer on the device
     run.scaler.step(run.optimizer)
     run.scaler.update()
-    run.optimizer.zero_grad()  # opt3: set_to_none (the default): backward writes each gradient afresh, no zeroing pass
+    run.optimizer.zero_grad()  # opt4: set_to_none (the default): backward writes each gradient afresh, no zeroing pass
     plan.step.add_(1)
 
 
-def train_step(run, size):
+def train_step(run):
     """One optimizer step, whole: each micro-batch's augmentation, forward, loss and backward, then the update.
 
     Everything it reads is on the device (the plan's batch, crops, flips and schedule, found by the plan's step
@@ -284,7 +192,7 @@ def train_step(run, size):
     need not wait for it and a GPU can replay it as one CUDA graph.
     """
     for micro_batch in range(run.args.accum_steps):
-        loss = micro_batch_loss(run, micro_batch, size)
+        loss = micro_batch_loss(run, micro_batch)
         # opt1: float16 gradients can underflow to zero; GradScaler scales the loss up, then back
         run.scaler.scale(loss).backward()
     optimizer_step(run)
@@ -324,17 +232,17 @@ def capture_problem(device, amp_dtype, optimizer):
     return None
 
 
-def train_one_epoch(run, train_data, epoch, monitor, size):
+def train_one_epoch(run, train_data, epoch, monitor):
     """One pass over `train_data`; returns mean loss, accuracy, optimizer steps and images trained on."""
     run.model.train()
-    # opt3: the epoch's batches are drawn on the device at once and gathered there by index: no loader, no workers,
+    # opt4: the epoch's batches are drawn on the device at once and gathered there by index: no loader, no workers,
     # no host-to-device copy; its crops, flips and learning rates likewise, so the step needs nothing from the host
     draw_epoch(run, len(train_data[1]), epoch)
     steps = len(run.plan.schedule)
     for _ in range(steps):
-        run.train_steps[size]()
+        run.train_step()
         monitor.step()
-    # opt3: the one wait for the device per epoch (in float16 GradScaler adds one per step, for the found-inf flag it
+    # opt4: the one wait for the device per epoch (in float16 GradScaler adds one per step, for the found-inf flag it
     # reads on the host); a non-finite loss is found here, not at its step
     losses = run.plan.losses
     for micro_step, loss_value in enumerate(losses.tolist()):
@@ -343,28 +251,26 @@ def train_one_epoch(run, train_data, epoch, monitor, size):
     return losses.mean().item(), run.plan.correct.item() / images_seen, steps, images_seen
 
 
-# opt4: eager even with --compile: compiled, it compiled again at each image size, about 15 s of the H200's 128-s run;
-# eager, the recipe's 20 evaluations cost a CPU no more than compiled (results/)
-@torch.compiler.set_stance("force_eager")
-def evaluate(run, test_data, size):
-    """Mean loss and accuracy of the model on `test_data`, shown at size x size."""
+def evaluate(run, test_data):
+    """Mean loss and accuracy of the model on `test_data`."""
     run.model.eval()
     all_images, all_labels = test_data
     batch_size = run.args.batch_size
-    # opt3: the totals stay on the device: one read at the end, not one wait per batch
+    # opt4: the totals stay on the device: one read at the end, not one wait per batch
     total_loss = torch.zeros((), device=run.device)
     correct = torch.zeros((), dtype=torch.long, device=run.device)
     with torch.inference_mode():  # opt2: like no_grad, and also skips autograd's version tracking
         for start in range(0, len(all_labels), batch_size):
             images = normalize(all_images[start:start + batch_size], run.statistics)
-            # opt4: at the size just trained on: its BatchNorm statistics are of images that size. The last batch is
-            # not padded to a full one: nothing here is compiled for one shape
-            images = downscale(images, size).contiguous(memory_format=torch.channels_last)
+            # opt1: the last batch padded with blank images to a full one (their outputs are dropped): one shape, so
+            # one compiled evaluation graph, not another for the last few images
+            images = F.pad(images, (0, 0, 0, 0, 0, 0, 0, batch_size - len(images)))
+            images = images.contiguous(memory_format=torch.channels_last)
             labels = all_labels[start:start + batch_size]
             # opt1: 16-bit here too
             with torch.autocast(run.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32):
-                # opt3: average the logits of each image and its mirror (test-time augmentation), in one call
-                outputs = run.model(torch.cat([images, images.flip(3)])).view(2, len(labels), -1).mean(0)
+                # opt4: average the logits of each image and its mirror (test-time augmentation), in one call
+                outputs = run.model(torch.cat([images, images.flip(3)])).view(2, batch_size, -1).mean(0)[:len(labels)]
             total_loss += F.cross_entropy(outputs.float(), labels, reduction="sum")  # opt1: on float32 logits
             correct += (outputs.argmax(1) == labels).sum()
     return total_loss.item() / len(all_labels), correct.item() / len(all_labels)
@@ -379,7 +285,7 @@ def main():
     print(f"precision: {why}")
     torch.manual_seed(args.seed)
 
-    # opt3: the whole dataset lives on the device as uint8 (180 MB): 4x less to move than float32,
+    # opt4: the whole dataset lives on the device as uint8 (180 MB): 4x less to move than float32,
     # and no loader, workers or host-to-device copy per step; normalize() and augment() run per batch
     train_set, test_set = common.load_data(args, train_transform=None, test_transform=None)
     train_data, test_data = load_to_device(train_set, device), load_to_device(test_set, device)
@@ -387,28 +293,17 @@ def main():
 
     # opt1: cuDNN times its convolution algorithms once per input shape and keeps the fastest
     torch.backends.cudnn.benchmark = True
-    # opt3: channels_last (NHWC) is the layout tensor cores and the CPU's oneDNN convolutions run fastest
+    # opt4: channels_last (NHWC) is the layout tensor cores and the CPU's oneDNN convolutions run fastest
     model = common.ResNet10().to(device, memory_format=torch.channels_last)
-    # opt3: not compiled by default: the capture, not the compiler, removes the host's cost per step. On an H200 the
+    # opt4: not compiled by default: the capture, not the compiler, removes the host's cost per step. On an H200 the
     # step captured uncompiled took 1.81 ms, compiled 1.40, for ~38 s of compiling; on a CPU it saved nothing
     if args.compile:
         # opt1: fuses operations into fewer kernels: less memory traffic and Python overhead
-        # opt4: dynamic=False compiles a graph for each image size. With the sizes symbolic (dynamic=True) inductor
-        # still recompiles at each size (its convolution backward specializes on it, torch 2.14), and its kernels
-        # are less specialized
-        model.compile(mode=args.compile_mode, dynamic=False)
+        model.compile(mode=args.compile_mode)
     # opt2: label smoothing keeps the logits from growing without bound: better accuracy in few epochs
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     # opt1: AdamW scales each weight's step by its recent gradients, so one rate suits every layer untuned
-    if args.optimizer == "muon":
-        # opt4: Muon for the filters: more accuracy per epoch, for the cost of its update (see Muon);
-        # Newton-Schulz in the 16-bit type the hardware runs natively, in float32 where it has none; 3 steps
-        # (--ns-steps) are 3/5 of torch.optim.Muon's default work and trained as well here (results/README.md)
-        parameters = list(model.parameters())
-        filters, others = [p for p in parameters if p.ndim == 4], [p for p in parameters if p.ndim != 4]
-        optimizer = Muon(filters, adamw(others, args.lr, device), dtype=amp_dtype, steps=args.ns_steps)
-    else:
-        optimizer = adamw(model.parameters(), args.lr, device)
+    optimizer = adamw(model.parameters(), args.lr, device)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bfloat16 needs no scaling
     # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a
     # fixed rate; its length counts optimizer steps, not micro-batches
@@ -432,33 +327,22 @@ def main():
         schedule=onecycle_schedule(args.lr, total_steps, device),
         plan=empty_plan(steps_per_epoch, args, device),
     )
-    sizes = {image_size(epoch, args.epochs, args.min_size, full_size=train_data[0].shape[-1])
-             for epoch in range(1, args.epochs + 1)}
-    run.train_steps = {size: functools.partial(train_step, run, size) for size in sizes}
+    run.train_step = functools.partial(train_step, run)
     why_not = capture_problem(device, amp_dtype, optimizer)
     if why_not is None:
-        # opt3: on CUDA the whole step is captured once and replayed: one launch a step, however many kernels
-        # opt4: a graph for each image size: a graph replays the shapes it was captured with
-        run.train_steps = {size: cuda_graph(step) for size, step in run.train_steps.items()}
+        # opt4: on CUDA the whole step is captured once and replayed: one launch a step, however many kernels
+        run.train_step = cuda_graph(run.train_step)
     print("step: captured as a CUDA graph and replayed" if why_not is None else f"step: run as a function, {why_not}")
 
-    # opt4: after each epoch but the last, a fixed random subset of the test set shows the curve at a small cost
-    # (1,000 images: about 1 % of a 32x32 epoch's work; the first 1,000 of a set stored by class would be one class);
-    # the last epoch evaluates them all
-    subset = torch.randperm(len(test_data[1]), generator=torch.Generator().manual_seed(args.seed))[:args.monitor_size]
-    monitor_data = [data[subset.to(device)] for data in test_data]
     records = []
     start = common.now(device)
     for epoch in range(1, args.epochs + 1):
-        size = image_size(epoch, args.epochs, args.min_size, full_size=train_data[0].shape[-1])
         with harness.step_monitor(epoch, args.profile if epoch == args.epochs else None, device) as monitor:
             epoch_start = common.now(device)
-            train_figures = train_one_epoch(run, train_data, epoch, monitor, size)
+            train_figures = train_one_epoch(run, train_data, epoch, monitor)
             train_seconds = common.now(device) - epoch_start
-        evaluated = test_data if epoch == args.epochs else monitor_data
-        test_figures = evaluate(run, evaluated, size)
-        harness.record_epoch(records, train_figures, test_figures, train_seconds, image_size=size,
-                            test_images=len(evaluated[1]))
+        test_figures = evaluate(run, test_data)
+        harness.record_epoch(records, train_figures, test_figures, train_seconds)
     harness.report(__file__, run, records, common.now(device) - start)
     if args.save:
         torch.save(model.state_dict(), args.save)

@@ -1,24 +1,22 @@
-"""opt5.py: opt4.py + data parallelism over many GPUs and machines: DistributedDataParallel under torchrun.
+"""opt5.py: opt4.py + more accuracy for the work: progressive resizing (early epochs on smaller
+images), Muon for the convolution filters (more accuracy per step), a small test subset after each
+epoch (the whole test set only at the end), and the recipe: 20 epochs of batch 512, as many steps
+as 5 epochs of 128.
 
-    torchrun --nproc_per_node=8 opt5.py --epochs 5    # one machine, 8 GPUs
-    torchrun --nnodes=2 --node_rank=0 --nproc_per_node=8 --rdzv_endpoint=HOST:29500 opt5.py --epochs 5
-    torchrun --nproc_per_node=2 opt5.py --synthetic --epochs 2   # no download: measures speed only
-    python opt5.py --epochs 5                          # no torchrun: one process, like opt4.py
+    python opt5.py                          # the recipe, 20 epochs, on CIFAR-10 in ./data, downloaded if missing
+    python opt5.py --synthetic --epochs 2   # no download: measures speed only
 
-Each optimization is marked `# opt5:` where it happens; read `diff -u opt4.py opt5.py`.
+opt1-opt4 make each step faster; opt5 makes the run need less work, judged by the time from launch
+to the final accuracy (every epoch records it). Each optimization is marked `# opt5:` where it
+happens; read `diff -u opt4.py opt5.py`.
 """
 import argparse
-import contextlib
 import functools
-import os
-import sys
 from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel
 
 import common
 import harness
@@ -26,7 +24,7 @@ import harness
 
 def parse_args():
     # opt2: a bigger batch keeps the GPU busy with fewer, larger kernels and fewer optimizer steps
-    # opt4: the recipe, chosen on 5,000 held-out training images: 20 epochs of batch 512 are as many steps as 5 of
+    # opt5: the recipe, chosen on 5,000 held-out training images: 20 epochs of batch 512 are as many steps as 5 of
     # 128 (1,940), and a GPU's small step costs its fixed per-step time, not its images: 90.5 % on the test set
     # (5 epochs of 128: 86.4 %) in 4.1 s of modelled H200 time (2.3 s); lr 0.016 = 0.008 x sqrt(4), for 4x the batch
     parser = harness.build_parser(__doc__, batch_size=512, lr=0.016, epochs=20)
@@ -50,80 +48,18 @@ def parse_args():
                              "(default: 1000)")
     parser.add_argument("--optimizer", choices=["muon", "adamw"], default="muon",
                         help="muon: Muon for the convolution filters and AdamW for the rest; adamw: AdamW for all, "
-                             "as opt3 (default: muon)")
+                             "as opt4 (default: muon)")
     parser.add_argument("--ns-steps", type=harness.positive_int, default=3,
                         help="Newton-Schulz iterations in each Muon update: 3, as airbench94_muon.py (a CIFAR-10 "
                              "speed record) runs; 5, torch.optim.Muon's default, is 5/3 the matmul work (default: 3)")
     args = parser.parse_args()
-    world_size = int(os.environ["WORLD_SIZE"]) if started_by_torchrun() else 1  # opt5: processes in the job
-    return harness.check_args(args, images_per_step=args.batch_size * args.accum_steps * world_size)
-
-
-def started_by_torchrun():
-    """Whether torchrun started this process; exit 2 when only some of the variables it sets are there."""
-    ranks = [name for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE") if name in os.environ]
-    missing = [name for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-               if name not in os.environ]
-    if ranks and missing:
-        common.fail(f"{', '.join(ranks)} set but not {', '.join(missing)}: start opt5.py with torchrun, which sets "
-                    f"them all (srun does not), or unset {', '.join(ranks)} to run one process")
-    return bool(ranks)
-
-
-def setup_distributed(device):
-    """(rank, world size, device): torchrun's when it started us, else (0, 1, device) and no process group."""
-    if not started_by_torchrun():
-        gpus = torch.cuda.device_count() if device.type == "cuda" else 0
-        if gpus > 1:
-            print(f"{gpus} GPUs here, and one process uses one: to use them all, start "
-                  f"torchrun --standalone --nproc_per_node={gpus} opt5.py ...")
-        return 0, 1, device
-    if device.type == "cuda":
-        # opt5: one process per GPU, GPU LOCAL_RANK (harness.pick_device made it current before any CUDA work); NCCL
-        # moves gradients GPU to GPU (NVLink, InfiniBand), Gloo on CPUs; naming the GPU binds the communicator to it
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        dist.init_process_group("gloo")
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-@contextlib.contextmanager
-def rank_zero_first(world_size):
-    """Runs the body on rank 0, then on the first process of every other machine, then on the rest: one download
-    per machine, and never two at once into a folder that machines share (NFS, Lustre), which would corrupt it."""
-    if world_size == 1:
-        yield
-        return
-    turn = 0 if dist.get_rank() == 0 else 1 if int(os.environ["LOCAL_RANK"]) == 0 else 2
-    for this_turn in range(3):
-        if this_turn == turn:
-            yield
-        dist.barrier()  # the next turn starts once this one's processes have the data
-
-
-def average_batchnorm_statistics(model, world_size):
-    """Average BatchNorm's running means and variances over the ranks, so every rank evaluates the same model.
-
-    Each rank's statistics follow its own share of the data. Averaging them once per evaluation
-    replaces DDP's broadcast of rank 0's before every forward (off: harness.no_buffer_broadcast()).
-    """
-    if world_size == 1:
-        return
-    for buffer in model.buffers():
-        if buffer.is_floating_point():  # num_batches_tracked counts the same steps on every rank
-            dist.all_reduce(buffer)
-            buffer /= world_size
-
-
-def rank_slice(size, rank, world_size):
-    """This rank's part of `size` items split into world_size consecutive, disjoint parts of near-equal size."""
-    return slice(rank * size // world_size, (rank + 1) * size // world_size)
+    return harness.check_args(args, images_per_step=args.batch_size * args.accum_steps)
 
 
 def autocast_dtype(device):
     """The 16-bit type `device` runs natively, or float32 where it has none; and why, in words, for the log."""
     if device.type == "cuda":
-        # opt3: bfloat16 where the GPU runs it natively (Ampere, sm_80, and newer): float32's range, so no
+        # opt4: bfloat16 where the GPU runs it natively (Ampere, sm_80, and newer): float32's range, so no
         # GradScaler and no skipped steps. Not is_bf16_supported() alone: it also counts GPUs that only
         # emulate bfloat16 (T4, sm_75), where inductor will not compile it and the model would run eager and slow
         if torch.cuda.is_bf16_supported(including_emulation=False):
@@ -205,11 +141,8 @@ def draw_epoch(run, size, epoch):
     plan, generator, device = run.plan, run.generator, run.device
     rows, batch_size = plan.batches.shape
     permutation = torch.randperm(size, device=device, generator=generator)
-    # opt5: every rank draws the same permutation (same seed) and cuts it into global batches of world_size x
-    # batch_size; rank r takes the r-th slice of each, so the shares are disjoint
-    global_batch = batch_size * run.world_size
-    plan.batches.copy_(permutation[:rows * global_batch].view(rows, run.world_size, batch_size)[:, run.rank])
-    crop_offsets, generator = 2 * common.CROP_PADDING + 1, run.augment_generator  # opt5: each rank its own crops
+    plan.batches.copy_(permutation[:rows * batch_size].view(rows, batch_size))
+    crop_offsets = 2 * common.CROP_PADDING + 1
     plan.offsets.copy_(torch.randint(0, crop_offsets, plan.offsets.shape, device=device, generator=generator))
     plan.flips.copy_(torch.rand(plan.flips.shape, device=device, generator=generator) < 0.5)
     steps = len(plan.schedule)
@@ -238,7 +171,7 @@ def onecycle_schedule(max_lr, total_steps, device):
 
 def adamw(parameters, lr, device):
     """torch's fused AdamW (weight decay 0.05) with its learning rate in a tensor on `device`."""
-    # opt3: fused: one kernel updates every weight (a few on a GPU), not a dozen ops each, its step count kept on the
+    # opt4: fused: one kernel updates every weight (a few on a GPU), not a dozen ops each, its step count kept on the
     # device. The schedule writes the rate into the tensor in place: a float would be baked into the captured step.
     # capturable: without it torch refuses to capture the update (fused AdamW computes the same either way)
     return torch.optim.AdamW(parameters, lr=torch.tensor(lr, device=device), weight_decay=0.05, fused=True,
@@ -291,7 +224,7 @@ class Muon(torch.optim.Optimizer):
         grads = [parameter.grad for parameter in filters]
         momenta = [self.state[parameter]["momentum"] for parameter in filters]
         lr, beta1 = group["lr"], group["betas"][0]  # lr a tensor (see adamw): foreach ops take it without a host read
-        # opt4: each update below is one foreach op over all the filters, not one op per filter
+        # opt5: each update below is one foreach op over all the filters, not one op per filter
         torch._foreach_mul_(filters, 1 - lr * group["weight_decay"])  # decoupled weight decay, as AdamW's
         torch._foreach_mul_(momenta, beta1)
         torch._foreach_add_(momenta, torch._foreach_mul(grads, 1 - beta1))
@@ -312,20 +245,20 @@ def micro_batch_loss(run, micro_batch, size):
     plan, (all_images, all_labels) = run.plan, run.train_data
     row = plan.step * run.args.accum_steps + micro_batch
     indices = plan.batches[row].squeeze(0)
-    # opt3: normalize, crop and flip the whole batch on the device; channels_last for the model
+    # opt4: normalize, crop and flip the whole batch on the device; channels_last for the model
     offsets, flips = plan.offsets[row].squeeze(0), plan.flips[row].squeeze(0)
     images = augment(normalize(all_images[indices], run.statistics), offsets, flips)
-    # opt4: progressive resizing: a convolution's work scales with the pixels, so a 16x16 epoch has a quarter of a
+    # opt5: progressive resizing: a convolution's work scales with the pixels, so a 16x16 epoch has a quarter of a
     # 32x32 one's; ResNet10 pools globally, so it takes any size, and the last epochs teach it 32x32
     images = downscale(images, size).contiguous(memory_format=torch.channels_last)
     labels = all_labels[indices]
     # opt1: autocast runs convolutions in 16-bit where it is native: half the memory traffic, tensor cores
-    # opt3: without autocast's cache of cast weights, which a CUDA graph capture must not keep
+    # opt4: without autocast's cache of cast weights, which a CUDA graph capture must not keep
     with torch.autocast(run.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32,
                         cache_enabled=False):
         outputs = run.model(images)
         loss = run.criterion(outputs, labels)
-    # opt3: losses and correct counts stay on the device: reading them per step would wait for the GPU
+    # opt4: losses and correct counts stay on the device: reading them per step would wait for the GPU
     plan.losses[row] = loss.detach()
     plan.correct.add_((outputs.argmax(1) == labels).sum())  # add_: `+=` would store the attribute, a graph break
     return loss / run.args.accum_steps  # opt2: the mean over the effective batch
@@ -336,12 +269,10 @@ def optimizer_step(run):
     the step, the gradients dropped, and the counter moved on."""
     plan = run.plan
     for group in run.optimizer.param_groups:
-        group["lr"].copy_(plan.schedule[plan.step].squeeze(0))  # opt3: the schedule reaches the optimizer on the device
+        group["lr"].copy_(plan.schedule[plan.step].squeeze(0))  # opt4: the schedule reaches the optimizer on the device
     run.scaler.step(run.optimizer)
     run.scaler.update()
-    # opt3: set_to_none: backward writes each gradient afresh, no zeroing pass
-    # opt5: but not under DDP, whose kept gradients are views of its all-reduce buckets (see train)
-    run.optimizer.zero_grad(set_to_none=run.world_size == 1)
+    run.optimizer.zero_grad()  # opt4: set_to_none (the default): backward writes each gradient afresh, no zeroing pass
     plan.step.add_(1)
 
 
@@ -353,8 +284,6 @@ def train_step(run, size):
     need not wait for it and a GPU can replay it as one CUDA graph.
     """
     for micro_batch in range(run.args.accum_steps):
-        # opt5: DDP all-reduces the gradients in the backward of a step's last micro-batch only (as no_sync() does)
-        run.model.require_backward_grad_sync = micro_batch + 1 == run.args.accum_steps
         loss = micro_batch_loss(run, micro_batch, size)
         # opt1: float16 gradients can underflow to zero; GradScaler scales the loss up, then back
         run.scaler.scale(loss).backward()
@@ -385,13 +314,10 @@ def cuda_graph(step, warmup_steps=3):
     return replay
 
 
-def capture_problem(device, amp_dtype, optimizer, world_size):
+def capture_problem(device, amp_dtype, optimizer):
     """Why the step cannot be replayed as a CUDA graph here, in words, or None where it can."""
     if device.type != "cuda":
         return "not captured: CUDA graphs are CUDA's"
-    if world_size > 1:  # opt5
-        # capturing DDP's all-reduce needs settings and a warm-up of its own (PyTorch's CUDA graphs notes)
-        return "not captured: under DDP the step runs as a function, its all-reduce launched by DDP's hooks"
     if amp_dtype == torch.float16 and not getattr(optimizer, "_step_supports_amp_scaling", False):
         # GradScaler hands a fused optimizer its found-inf flag on the device; for any other it reads it on the host
         return "not captured: float16's GradScaler reads on the host whether each step's gradients are finite"
@@ -401,145 +327,92 @@ def capture_problem(device, amp_dtype, optimizer, world_size):
 def train_one_epoch(run, train_data, epoch, monitor, size):
     """One pass over `train_data`; returns mean loss, accuracy, optimizer steps and images trained on."""
     run.model.train()
-    # opt3: the epoch's batches are drawn on the device at once and gathered there by index: no loader, no workers,
+    # opt4: the epoch's batches are drawn on the device at once and gathered there by index: no loader, no workers,
     # no host-to-device copy; its crops, flips and learning rates likewise, so the step needs nothing from the host
     draw_epoch(run, len(train_data[1]), epoch)
     steps = len(run.plan.schedule)
     for _ in range(steps):
         run.train_steps[size]()
         monitor.step()
-    # opt3: the one wait for the device per epoch (in float16 GradScaler adds one per step, for the found-inf flag it
+    # opt4: the one wait for the device per epoch (in float16 GradScaler adds one per step, for the found-inf flag it
     # reads on the host); a non-finite loss is found here, not at its step
     losses = run.plan.losses
     for micro_step, loss_value in enumerate(losses.tolist()):
         common.check_finite(loss_value, epoch, micro_step // run.args.accum_steps + 1)
-    micro_batches = torch.tensor(float(len(losses)), device=run.device)
-    totals = torch.stack([losses.sum(), run.plan.correct.to(losses.dtype), micro_batches])
-    if run.world_size > 1:
-        dist.all_reduce(totals)  # opt5: loss, accuracy and images/s count every rank's share
-    loss_sum, correct_sum, micro_batches = totals.tolist()
-    images_seen = int(micro_batches) * run.args.batch_size
-    return loss_sum / micro_batches, correct_sum / images_seen, steps, images_seen
+    images_seen = len(losses) * run.args.batch_size
+    return losses.mean().item(), run.plan.correct.item() / images_seen, steps, images_seen
 
 
-# opt4: eager even with --compile: compiled, it compiled again at each image size, about 15 s of the H200's 128-s run;
+# opt5: eager even with --compile: compiled, it compiled again at each image size, about 15 s of the H200's 128-s run;
 # eager, the recipe's 20 evaluations cost a CPU no more than compiled (results/)
 @torch.compiler.set_stance("force_eager")
 def evaluate(run, test_data, size):
     """Mean loss and accuracy of the model on `test_data`, shown at size x size."""
     run.model.eval()
-    test_size = len(test_data[1])
-    # opt5: each rank evaluates its own slice of the test set; the slices' sums are added up at the end
-    all_images, all_labels = (data[rank_slice(test_size, run.rank, run.world_size)] for data in test_data)
+    all_images, all_labels = test_data
     batch_size = run.args.batch_size
-    # opt3: the totals stay on the device: one read at the end, not one wait per batch
+    # opt4: the totals stay on the device: one read at the end, not one wait per batch
     total_loss = torch.zeros((), device=run.device)
     correct = torch.zeros((), dtype=torch.long, device=run.device)
     with torch.inference_mode():  # opt2: like no_grad, and also skips autograd's version tracking
         for start in range(0, len(all_labels), batch_size):
             images = normalize(all_images[start:start + batch_size], run.statistics)
-            # opt4: at the size just trained on: its BatchNorm statistics are of images that size. The last batch is
+            # opt5: at the size just trained on: its BatchNorm statistics are of images that size. The last batch is
             # not padded to a full one: nothing here is compiled for one shape
             images = downscale(images, size).contiguous(memory_format=torch.channels_last)
             labels = all_labels[start:start + batch_size]
             # opt1: 16-bit here too
             with torch.autocast(run.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32):
-                # opt3: average the logits of each image and its mirror (test-time augmentation), in one call
+                # opt4: average the logits of each image and its mirror (test-time augmentation), in one call
                 outputs = run.model(torch.cat([images, images.flip(3)])).view(2, len(labels), -1).mean(0)
             total_loss += F.cross_entropy(outputs.float(), labels, reduction="sum")  # opt1: on float32 logits
             correct += (outputs.argmax(1) == labels).sum()
-    totals = torch.stack([total_loss, correct.to(total_loss.dtype)])
-    if run.world_size > 1:
-        dist.all_reduce(totals)  # opt5: the whole test set's loss and correct count
-    loss_sum, correct_sum = totals.tolist()
-    return loss_sum / test_size, correct_sum / test_size
+    return total_loss.item() / len(all_labels), correct.item() / len(all_labels)
 
 
 def main():
     args = parse_args()
-    rank, world_size, device = setup_distributed(harness.pick_device(args))
-    train(args, rank, world_size, device)
-    if world_size > 1:
-        # opt5: the ranks leave together, and this thread keeps the barrier's handle until the process group is gone:
-        # on torch 2.6 (Gloo), whichever thread lets go of it last frees the collectives still in flight when it began,
-        # their tensors included; on Gloo's worker thread that waits for the GIL, which this thread holds while
-        # destroy_process_group waits for that worker: both would wait for ever, and torchrun with them
-        barrier = dist.barrier(async_op=True)
-        barrier.wait()
-        dist.destroy_process_group()
-
-
-def train(args, rank, world_size, device):
-    if rank != 0:
-        sys.stdout = open(os.devnull, "w")  # opt5: one log: only rank 0 prints
+    device = harness.pick_device(args)
     harness.print_settings(__file__, device, args)
     # opt1: 16-bit math only where the hardware runs it: on a CPU without a bfloat16 unit it is emulated, and slow
     amp_dtype, why = autocast_dtype(device)
     print(f"precision: {why}")
-    print(f"world size {world_size}: global batch {world_size * args.batch_size * args.accum_steps} "
-          f"(--batch-size x world size x --accum-steps)")
     torch.manual_seed(args.seed)
 
-    # opt3: the whole dataset lives on the device as uint8 (180 MB): 4x less to move than float32,
+    # opt4: the whole dataset lives on the device as uint8 (180 MB): 4x less to move than float32,
     # and no loader, workers or host-to-device copy per step; normalize() and augment() run per batch
-    with rank_zero_first(world_size):  # opt5: one download per machine, each after rank 0's
-        train_set, test_set = common.load_data(args, train_transform=None, test_transform=None)
+    train_set, test_set = common.load_data(args, train_transform=None, test_transform=None)
     train_data, test_data = load_to_device(train_set, device), load_to_device(test_set, device)
-    generator = torch.Generator(device).manual_seed(args.seed)  # the same permutation on every rank
-    augment_generator = torch.Generator(device).manual_seed(args.seed + rank)  # opt5: each rank its own crops
+    generator = torch.Generator(device).manual_seed(args.seed)
 
     # opt1: cuDNN times its convolution algorithms once per input shape and keeps the fastest
     torch.backends.cudnn.benchmark = True
-    # opt3: channels_last (NHWC) is the layout tensor cores and the CPU's oneDNN convolutions run fastest
+    # opt4: channels_last (NHWC) is the layout tensor cores and the CPU's oneDNN convolutions run fastest
     model = common.ResNet10().to(device, memory_format=torch.channels_last)
-    # opt5: under DDP the gradients are kept and zeroed, not dropped: they are views of its all-reduce buckets, and
-    # set to None every step would copy them
-    if world_size > 1:
-        for parameter in model.parameters():
-            parameter.grad = torch.zeros_like(parameter)
-    train_model = model
-    if world_size > 1:
-        # opt5: DDP averages gradients over the ranks in buckets, each sent as soon as its gradients are ready, so
-        # communication overlaps the rest of the backward pass. ResNet10 has 19.6 MB of them: after the first step
-        # DDP rebuilds its buckets in the order they became ready: layer 4's last conv and what follows it (10.0 MB:
-        # the first bucket closes past 1 MiB), then the rest. Compiled, Dynamo's DDPOptimizer cuts the graph at the
-        # same mark (before that conv), so the first all-reduce runs during the backward of all the layers before it,
-        # most of the work; the second waits for the backward's end (read off torch 2.15, Gloo, 2 ranks). The kept
-        # gradients are views of the buckets (no copy); no BatchNorm broadcast before every forward
-        # (average_batchnorm_statistics)
-        train_model = DistributedDataParallel(
-            model, device_ids=[device] if device.type == "cuda" else None, gradient_as_bucket_view=True,
-            **harness.no_buffer_broadcast())
-    # opt5: off under DDP too, where the step is not captured: whether compiling pays there is not measured
-    # opt3: not compiled by default: the capture, not the compiler, removes the host's cost per step. On an H200 the
+    # opt4: not compiled by default: the capture, not the compiler, removes the host's cost per step. On an H200 the
     # step captured uncompiled took 1.81 ms, compiled 1.40, for ~38 s of compiling; on a CPU it saved nothing
     if args.compile:
         # opt1: fuses operations into fewer kernels: less memory traffic and Python overhead
-        # opt4: dynamic=False compiles a graph for each image size. With the sizes symbolic (dynamic=True) inductor
+        # opt5: dynamic=False compiles a graph for each image size. With the sizes symbolic (dynamic=True) inductor
         # still recompiles at each size (its convolution backward specializes on it, torch 2.14), and its kernels
         # are less specialized
-        # opt5: DDP's wrapper compiled, not the model inside it: Dynamo's DDPOptimizer then splits the graph at DDP's
-        # buckets (above)
-        train_model.compile(mode=args.compile_mode, dynamic=False)
+        model.compile(mode=args.compile_mode, dynamic=False)
     # opt2: label smoothing keeps the logits from growing without bound: better accuracy in few epochs
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
-    # opt5: --lr is the rate for one process's step of --batch-size x --accum-steps images, as in opt4; world_size
-    # processes make the global batch world_size times larger, averaging away noise: scale the rate by its square root
-    max_lr = args.lr * world_size ** 0.5
     # opt1: AdamW scales each weight's step by its recent gradients, so one rate suits every layer untuned
     if args.optimizer == "muon":
-        # opt4: Muon for the filters: more accuracy per epoch, for the cost of its update (see Muon);
+        # opt5: Muon for the filters: more accuracy per epoch, for the cost of its update (see Muon);
         # Newton-Schulz in the 16-bit type the hardware runs natively, in float32 where it has none; 3 steps
         # (--ns-steps) are 3/5 of torch.optim.Muon's default work and trained as well here (results/README.md)
         parameters = list(model.parameters())
         filters, others = [p for p in parameters if p.ndim == 4], [p for p in parameters if p.ndim != 4]
-        optimizer = Muon(filters, adamw(others, max_lr, device), dtype=amp_dtype, steps=args.ns_steps)
+        optimizer = Muon(filters, adamw(others, args.lr, device), dtype=amp_dtype, steps=args.ns_steps)
     else:
-        optimizer = adamw(model.parameters(), max_lr, device)
+        optimizer = adamw(model.parameters(), args.lr, device)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bfloat16 needs no scaling
     # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a
     # fixed rate; its length counts optimizer steps, not micro-batches
-    steps_per_epoch = len(train_data[1]) // (args.batch_size * world_size) // args.accum_steps
+    steps_per_epoch = len(train_data[1]) // args.batch_size // args.accum_steps
     total_steps = args.epochs * steps_per_epoch
     if total_steps < 5:
         common.fail(f"{total_steps} optimizer steps in all are too few for OneCycleLR's warm-up (it needs 5); "
@@ -549,30 +422,27 @@ def train(args, rank, world_size, device):
         args=args,
         device=device,
         amp_dtype=amp_dtype,
-        model=train_model,  # opt5: DDP's wrapper when distributed; without autograd (evaluate) it sends nothing
+        model=model,
         criterion=criterion,
         optimizer=optimizer,
         scaler=scaler,
         generator=generator,
-        augment_generator=augment_generator,
-        rank=rank,
-        world_size=world_size,
         train_data=train_data,
         statistics=channel_statistics(device),
-        schedule=onecycle_schedule(max_lr, total_steps, device),
+        schedule=onecycle_schedule(args.lr, total_steps, device),
         plan=empty_plan(steps_per_epoch, args, device),
     )
     sizes = {image_size(epoch, args.epochs, args.min_size, full_size=train_data[0].shape[-1])
              for epoch in range(1, args.epochs + 1)}
     run.train_steps = {size: functools.partial(train_step, run, size) for size in sizes}
-    why_not = capture_problem(device, amp_dtype, optimizer, world_size)
+    why_not = capture_problem(device, amp_dtype, optimizer)
     if why_not is None:
-        # opt3: on CUDA the whole step is captured once and replayed: one launch a step, however many kernels
-        # opt4: a graph for each image size: a graph replays the shapes it was captured with
+        # opt4: on CUDA the whole step is captured once and replayed: one launch a step, however many kernels
+        # opt5: a graph for each image size: a graph replays the shapes it was captured with
         run.train_steps = {size: cuda_graph(step) for size, step in run.train_steps.items()}
     print("step: captured as a CUDA graph and replayed" if why_not is None else f"step: run as a function, {why_not}")
 
-    # opt4: after each epoch but the last, a fixed random subset of the test set shows the curve at a small cost
+    # opt5: after each epoch but the last, a fixed random subset of the test set shows the curve at a small cost
     # (1,000 images: about 1 % of a 32x32 epoch's work; the first 1,000 of a set stored by class would be one class);
     # the last epoch evaluates them all
     subset = torch.randperm(len(test_data[1]), generator=torch.Generator().manual_seed(args.seed))[:args.monitor_size]
@@ -581,18 +451,14 @@ def train(args, rank, world_size, device):
     start = common.now(device)
     for epoch in range(1, args.epochs + 1):
         size = image_size(epoch, args.epochs, args.min_size, full_size=train_data[0].shape[-1])
-        profile_dir = args.profile if epoch == args.epochs and rank == 0 else None
-        with harness.step_monitor(epoch, profile_dir, device) as monitor:
+        with harness.step_monitor(epoch, args.profile if epoch == args.epochs else None, device) as monitor:
             epoch_start = common.now(device)
             train_figures = train_one_epoch(run, train_data, epoch, monitor, size)
             train_seconds = common.now(device) - epoch_start
-        average_batchnorm_statistics(model, world_size)  # opt5: every rank evaluates the model rank 0 saves
         evaluated = test_data if epoch == args.epochs else monitor_data
         test_figures = evaluate(run, evaluated, size)
         harness.record_epoch(records, train_figures, test_figures, train_seconds, image_size=size,
                             test_images=len(evaluated[1]))
-    if rank != 0:
-        return  # opt5: rank 0 alone writes the report, the weights and the trace
     harness.report(__file__, run, records, common.now(device) - start)
     if args.save:
         torch.save(model.state_dict(), args.save)

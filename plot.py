@@ -6,8 +6,8 @@
 chain.png, the GPU's: each script's steady images/s at its defaults, and where each run's seconds from launch to
 result went (before the first epoch, the first epoch with its compiling, the rest), with its test accuracy.
 cpu.png, three panels: test accuracy per epoch of each script on real CIFAR-10; steady images/s of each rung of
-the ladder (benchmark.py --ladder); and the final test accuracy of opt3, and of opt4 with each optimizer, against
-launch-to-result time as a share of opt3 --epochs 5's on the same CPU (one file of --muon per CPU), one point per
+the ladder (benchmark.py --ladder); and the final test accuracy of opt4, and of opt5 with each optimizer, against
+launch-to-result time as a share of opt4 --epochs 5's on the same CPU (one file of --muon per CPU), one point per
 --epochs, the mean of its seeds, so that each is a curve and they compare at equal time. Needs matplotlib (the
 training scripts do not).
 """
@@ -24,13 +24,13 @@ import benchmark
 import common
 import harness
 
-CHAIN = ["baseline.py", "opt1.py", "opt2.py", "opt3.py"]
-CONVERGENCE = ["opt3.py", "opt4.py"]  # the step opt4 takes, and the rung it is measured against
-DEFAULT_EPOCHS = 5  # opt3's --epochs default, and opt4's before the recipe: the runs the curve summary compares
-OPTIMIZER_NAMES = {"opt4.py muon": "Muon", "opt4.py adamw": "AdamW"}
+CHAIN = ["baseline.py", "opt1.py", "opt2.py", "opt4.py"]
+CONVERGENCE = ["opt4.py", "opt5.py"]  # the step opt5 takes, and the rung it is measured against
+DEFAULT_EPOCHS = 5  # opt4's --epochs default, and opt5's before the recipe: the runs the curve summary compares
+OPTIMIZER_NAMES = {"opt5.py muon": "Muon", "opt5.py adamw": "AdamW"}
 CHAIN_ORDER = {script: index for index, script in enumerate(benchmark.SCRIPTS)}
 # The chain on an H200 after the whole step moved onto the device; and before it (--gpu gives those to --tables)
-GPU_RUNS = [f"results/h200-38c59a9/{name}.jsonl" for name in ("chain-cold-cache", "opt4-cold-cache")]
+GPU_RUNS = [f"results/h200-38c59a9/{name}.jsonl" for name in ("chain-cold-cache", "opt5-cold-cache")]
 GPU_RUNS_BEFORE = [f"results/h200-410ebec/{name}.jsonl" for name in ("chain-cold-cache", "warm-cache", "bigger-batch")]
 
 
@@ -44,19 +44,19 @@ def parse_args():
     parser.add_argument("--ladder", default="results/ladder.jsonl",
                         help="benchmark.py --ladder --json output (default: results/ladder.jsonl)")
     parser.add_argument("--convergence", default="results/convergence.jsonl",
-                        help="real-data runs of opt3.py and opt4.py with their launch times "
+                        help="real-data runs of opt4.py and opt5.py with their launch times "
                              "(default: results/convergence.jsonl)")
     parser.add_argument("--curve", default="results/curve.jsonl",
-                        help="real-data runs of opt3.py and opt4.py at several --epochs, one CPU, one sitting "
+                        help="real-data runs of opt4.py and opt5.py at several --epochs, one CPU, one sitting "
                              "(default: results/curve.jsonl)")
     parser.add_argument("--seeds", default="results/seeds.jsonl",
-                        help="real-data runs of opt3.py and opt4.py at their default --epochs with seeds other than "
+                        help="real-data runs of opt4.py and opt5.py at their default --epochs with seeds other than "
                              "the curve's (default: results/seeds.jsonl)")
     parser.add_argument("--muon", nargs="+", default=["results/muon.jsonl", "results/muon-xeon-amx.jsonl"],
-                        help="real-data runs of opt3.py and of opt4.py with each --optimizer, one file per CPU "
+                        help="real-data runs of opt4.py and of opt5.py with each --optimizer, one file per CPU "
                              "(default: results/muon.jsonl results/muon-xeon-amx.jsonl)")
     parser.add_argument("--recipe", default="results/recipe.jsonl",
-                        help="runs of the recipe work: opt4 with the flags tried, scored on held-out training images "
+                        help="runs of the recipe work: opt5 with the flags tried, scored on held-out training images "
                              "(--validation) or the test set, and ablation.py's rows at its length, for --tables "
                              "(default: results/recipe.jsonl)")
     parser.add_argument("--ablation", default="results/ablation.jsonl",
@@ -135,7 +135,7 @@ def draw_gpu(runs, out, words):
     baseline = chain[0]["images_per_second"]["all"]
     for index, row in enumerate(chain):
         speeds = row["images_per_second"]
-        # opt4's epochs change image size: its bar is the speed at its largest steady size
+        # opt5's epochs change image size: its bar is the speed at its largest steady size
         size, speed = max(speeds.items(), key=lambda item: str(item[0]))
         speed_axis.bar(index, speed, color="tab:blue" if size == "all" else "tab:green")
         label = f"{speed:,.0f}\n{speed / baseline:.1f}x" if size == "all" else f"{speed:,.0f}\nat {size} px"
@@ -154,12 +154,12 @@ def draw_gpu(runs, out, words):
             left += row[field]
         rest = row["launch_to_result_seconds"] - left
         time_axis.barh(index, rest, left=left, color="tab:blue",
-                       label="the other epochs (opt4: compiling at each new size)" if index == 0 else None)
+                       label="the other epochs (opt5: compiling at each new size)" if index == 0 else None)
         time_axis.text(row["launch_to_result_seconds"] + 0.5, index, f"{100 * row['test_accuracy']:.2f} %",
                        va="center", fontsize=8)
     time_axis.set_yticks(range(len(rows)), [row["name"].replace(".py", "") for row in rows], fontsize=8)
     time_axis.invert_yaxis()
-    time_axis.set(xlabel="seconds from launch to the final test accuracy (5 epochs; opt4's recipe, 20)",
+    time_axis.set(xlabel="seconds from launch to the final test accuracy (5 epochs; opt5's recipe, 20)",
                   xlim=(0, 1.15 * max(row["launch_to_result_seconds"] for row in rows)))
     time_axis.set_title("Where a run's seconds go, and the test accuracy it ends at (JPEG copy of CIFAR-10)",
                         fontsize=9)
@@ -189,16 +189,16 @@ def latest_run_per_script(lines):
     """The last real-CIFAR-10 report of each chain script, in chain order."""
     runs = {line["script"]: line for line in lines if line.get("data") == "cifar10" and line.get("script") in CHAIN}
     if not runs:
-        common.fail("no real-CIFAR-10 run of baseline.py, opt1.py, opt2.py or opt3.py in --runs")
+        common.fail("no real-CIFAR-10 run of baseline.py, opt1.py, opt2.py or opt4.py in --runs")
     return [runs[script] for script in CHAIN if script in runs]
 
 
 def convergence_runs(lines):
-    """Every real-CIFAR-10 run of opt3 and opt4 that records its launch-to-result time, in file order."""
+    """Every real-CIFAR-10 run of opt4 and opt5 that records its launch-to-result time, in file order."""
     runs = [line for line in lines if line.get("data") == "cifar10" and line.get("script") in CONVERGENCE
             and line.get("launch_to_result_seconds") is not None]
     if not runs:
-        common.fail("no real-CIFAR-10 run of opt3.py or opt4.py with launch_to_result_seconds in --convergence")
+        common.fail("no real-CIFAR-10 run of opt4.py or opt5.py with launch_to_result_seconds in --convergence")
     return runs
 
 
@@ -240,14 +240,14 @@ def markdown_tables(runs, ladder, convergence, curve, seeds, ablation, muon=()):
         lines.append(f"| {row['name']} | {row['images_per_second']:.0f} | {row['ms_per_step']:.1f} "
                      f"| {row['warmup_seconds']:.1f} | {harness.shown(row['peak_memory_gib'], '.2f')} "
                      f"| {row['tflops']:.3f} | {harness.shown(row['percent_of_bf16_peak'], '.0f')} |")
-    opt3_minutes = [run["launch_to_result_seconds"] / 60 for run in convergence if run["script"] == "opt3.py"]
-    lines += ["", *timed_runs_table(convergence, statistics.mean(opt3_minutes) if opt3_minutes else None)]
-    lines += ["", *timed_runs_table(curve, opt3_default_minutes(curve)), "", *curve_summary(curve),
+    opt4_minutes = [run["launch_to_result_seconds"] / 60 for run in convergence if run["script"] == "opt4.py"]
+    lines += ["", *timed_runs_table(convergence, statistics.mean(opt4_minutes) if opt4_minutes else None)]
+    lines += ["", *timed_runs_table(curve, opt4_default_minutes(curve)), "", *curve_summary(curve),
               *seeds_summary(curve, seeds)]
     lines += ["", *ablation_table(ablation), "", extra_views_summary(ablation, curve)]
     for runs_on_one_cpu in muon:
         lines += ["", f"{cpu_words(runs_on_one_cpu[0])}, Muon with {muon_steps(runs_on_one_cpu)} Newton-Schulz "
-                      "steps:", "", *timed_runs_table(runs_on_one_cpu, opt3_default_minutes(runs_on_one_cpu)), "",
+                      "steps:", "", *timed_runs_table(runs_on_one_cpu, opt4_default_minutes(runs_on_one_cpu)), "",
                   *optimizer_summary(runs_on_one_cpu)]
     return "\n".join(lines)
 
@@ -263,7 +263,7 @@ def ablation_rows(lines):
 def ablation_table(rows):
     """Markdown lines: each row's change, its accuracy three ways, its time and its monitor after each epoch."""
     shipped = next(row for row in rows if row["row"] == "shipped")
-    lines = ["| row | change | test acc % (2 views, opt4's) | vs shipped | 1 view | 6 views | launch to result min "
+    lines = ["| row | change | test acc % (2 views, opt5's) | vs shipped | 1 view | 6 views | launch to result min "
              "| 6 views: + s | test acc % after each epoch but the last (images) |", "|---" * 9 + "|"]
     for row in rows:
         monitor = ", ".join(f"{100 * record['test_accuracy']:.1f}" for record in row["epochs"][:-1])
@@ -275,23 +275,23 @@ def ablation_table(rows):
 
 
 def extra_views_summary(rows, curve):
-    """One sentence: what flip + translate views buy opt4 as shipped, against the same seconds spent training
-    (read off opt4's curve from its default --epochs)."""
+    """One sentence: what flip + translate views buy opt5 as shipped, against the same seconds spent training
+    (read off opt5's curve from its default --epochs)."""
     shipped = next(row for row in rows if row["row"] == "shipped")
     gain, seconds = 100 * (shipped["6_views"] - shipped["2_views"]), shipped["extra_view_seconds"]
-    opt4 = curve_points(curve, "opt4.py")
-    start = next((point for point in opt4 if point[2] == DEFAULT_EPOCHS), None)
-    trained = start and interpolate(opt4, start[0] + seconds / 60)
-    training = "not measured (opt4's curve does not reach that far)" if trained is None else \
-        f"{trained - start[1]:+.1f} points (interpolated on opt4's curve from `--epochs {DEFAULT_EPOCHS}`)"
-    return (f"- Flip + translate test-time views (6 per image instead of opt4's 2) add {gain:+.1f} points to opt4 as "
+    opt5 = curve_points(curve, "opt5.py")
+    start = next((point for point in opt5 if point[2] == DEFAULT_EPOCHS), None)
+    trained = start and interpolate(opt5, start[0] + seconds / 60)
+    training = "not measured (opt5's curve does not reach that far)" if trained is None else \
+        f"{trained - start[1]:+.1f} points (interpolated on opt5's curve from `--epochs {DEFAULT_EPOCHS}`)"
+    return (f"- Flip + translate test-time views (6 per image instead of opt5's 2) add {gain:+.1f} points to opt5 as "
             f"shipped for {seconds:.0f} s; the same seconds spent training: {training}.")
 
 
 def timed_runs_table(runs, reference_minutes):
     """Markdown lines: each run's flags, image sizes, final accuracy and launch-to-result minutes, also as a share
-    of `reference_minutes` (opt3's)."""
-    lines = ["| script | flags | image sizes per epoch | test acc % | launch to result min | of opt3's |",
+    of `reference_minutes` (opt4's)."""
+    lines = ["| script | flags | image sizes per epoch | test acc % | launch to result min | of opt4's |",
              "|---|---|---|---|---|---|"]
     for run in runs:
         sizes = ", ".join(str(record.get("image_size", 32)) for record in run["epochs"])
@@ -323,7 +323,7 @@ def recipe_table(runs):
     return lines
 
 
-# opt4's defaults since the recipe work (issue 47); a test checks opt4.py's parser gives them
+# opt5's defaults since the recipe work (issue 47); a test checks opt5.py's parser gives them
 RECIPE = {"epochs": 20, "batch_size": 512, "lr": 0.016, "optimizer": "muon", "ns_steps": 3, "min_size": 16,
           "label_smoothing": 0.1, "accum_steps": 1, "train_size": None}
 
@@ -342,16 +342,16 @@ def last_per_seed(runs):
 
 
 def recipe_runs(runs, epochs=RECIPE["epochs"]):
-    """opt4's runs of its defaults (RECIPE, but for `epochs`) on the whole test set, the last of each seed: opt4.py's
+    """opt5's runs of its defaults (RECIPE, but for `epochs`) on the whole test set, the last of each seed: opt5.py's
     own and ablation.py's `shipped` rows, not its other rows (their change is not always in the settings)."""
     wanted = {**RECIPE, "epochs": epochs}
-    return last_per_seed(run for run in runs if run["script"] == "opt4.py" and on_the_test_set(run)
+    return last_per_seed(run for run in runs if run["script"] == "opt5.py" and on_the_test_set(run)
                          and run.get("row", "shipped") == "shipped"
                          and all(run["settings"].get(name) == value for name, value in wanted.items()))
 
 
 def recipe_summary(runs):
-    """One line: what opt4's defaults scored on the whole test set, the mean over its seeds and each seed's, and its
+    """One line: what opt5's defaults scored on the whole test set, the mean over its seeds and each seed's, and its
     modelled H200 seconds; [] before any such run."""
     finals = recipe_runs(runs)
     if not finals:
@@ -359,7 +359,7 @@ def recipe_summary(runs):
     accuracies = [100 * run["final_test_accuracy"] for run in finals]
     each = ", ".join(f"{accuracy:.2f}" for accuracy in accuracies)
     seeds = ", ".join(str(run["settings"]["seed"]) for run in finals)
-    return [f"opt4's defaults (the recipe) on the test set: **{statistics.mean(accuracies):.2f} %**, the mean of "
+    return [f"opt5's defaults (the recipe) on the test set: **{statistics.mean(accuracies):.2f} %**, the mean of "
             f"{len(finals)} seed{'s' * (len(finals) > 1)} ({seeds}: {each}), in "
             f"{statistics.mean(run['modelled_h200_seconds'] for run in finals):.2f} modelled H200 seconds"]
 
@@ -376,47 +376,47 @@ def curve_row(name, runs):
 
 
 def recipe_curve(recipe, others):
-    """Markdown lines: the recipe at each length it ran on the whole test set (its other settings opt4's defaults) on
-    the CPU of its default runs, after the reference point, opt3 `--epochs 5` on that CPU (from `others`, its work
-    counted as opt4 counts its own); [] before any run of the defaults."""
+    """Markdown lines: the recipe at each length it ran on the whole test set (its other settings opt5's defaults) on
+    the CPU of its default runs, after the reference point, opt4 `--epochs 5` on that CPU (from `others`, its work
+    counted as opt5 counts its own); [] before any run of the defaults."""
     finals = recipe_runs(recipe)
     if not finals:
         return []
     cpu = finals[0]["cpu"]
     on_its_cpu = [run for run in recipe if run["cpu"] == cpu]
-    opt3 = last_per_seed(dict(run, epochs=[dict(record) for record in run["epochs"]]) for run in others
-                         if run["script"] == "opt3.py" and run["cpu"] == cpu and on_the_test_set(run)
+    opt4 = last_per_seed(dict(run, epochs=[dict(record) for record in run["epochs"]]) for run in others
+                         if run["script"] == "opt4.py" and run["cpu"] == cpu and on_the_test_set(run)
                          and len(run["epochs"]) == DEFAULT_EPOCHS)
-    for run in opt3:
+    for run in opt4:
         run.update(harness.count_work(run["epochs"], 0))  # on the copies: AdamW's update counts no matmul
     lines = ["| run | image sizes x epochs | seeds | test acc %, mean (each) | steps | training PFLOP "
              "| modelled H200 s | launch to result min (CPU) |", "|---" * 8 + "|"]
-    if opt3:
-        lines.append(curve_row(f"opt3 `--epochs {DEFAULT_EPOCHS}` (reference)", opt3))
+    if opt4:
+        lines.append(curve_row(f"opt4 `--epochs {DEFAULT_EPOCHS}` (reference)", opt4))
     for epochs in sorted({run["settings"].get("epochs") for run in on_its_cpu} - {None}):
         runs = recipe_runs(on_its_cpu, epochs)
         if runs:
-            lines.append(curve_row(f"opt4 `--epochs {epochs}`" + " (default)" * (epochs == RECIPE["epochs"]), runs))
+            lines.append(curve_row(f"opt5 `--epochs {epochs}`" + " (default)" * (epochs == RECIPE["epochs"]), runs))
     return lines
 
 
 def row_is_at_the_recipes_length(row):
-    """Whether an ablation.py row ran on the whole test set with opt4's defaults but for its own flags' settings."""
+    """Whether an ablation.py row ran on the whole test set with opt5's defaults but for its own flags' settings."""
     _, row_flags, _, _ = ablation.ROWS[ablation.ROW_NAMES.index(row["row"])]
     own = {flag[2:].replace("-", "_") for flag in row_flags if flag.startswith("--")}
-    return row["script"] == "opt4.py" and on_the_test_set(row) and all(
+    return row["script"] == "opt5.py" and on_the_test_set(row) and all(
         row["settings"].get(name) == value for name, value in RECIPE.items() if name not in own)
 
 
 def recipe_ablation(recipe):
     """Markdown lines: ablation.py's rows at the recipe's length, each against the mean of the recipe's test-set
-    seeds (opt4's 2 views), and what 1 and 6 views score; [] before any such row."""
+    seeds (opt5's 2 views), and what 1 and 6 views score; [] before any such row."""
     rows = [run for run in recipe if "row" in run and row_is_at_the_recipes_length(run)]
     finals = recipe_runs(recipe)
     if not rows or not finals:
         return []
     shipped = statistics.mean(run["final_test_accuracy"] for run in finals)
-    lines = ["| row | change | seed | test acc % (2 views, opt4's) | vs the recipe's mean | 1 view | 6 views "
+    lines = ["| row | change | seed | test acc % (2 views, opt5's) | vs the recipe's mean | 1 view | 6 views "
              "| modelled H200 s | launch to result min (CPU) |", "|---" * 9 + "|"]
     for row in rows:
         lines.append(f"| {row['row']} | {row['change']} | {row['settings']['seed']} | {100 * row['2_views']:.2f} "
@@ -440,44 +440,44 @@ def ns_steps(run):
 
 def muon_steps(runs):
     """The Newton-Schulz steps of the Muon runs among `runs`, in words: "3", or "3 and 5"."""
-    return " and ".join(map(str, sorted({ns_steps(run) for run in runs if variant(run) == "opt4.py muon"})))
+    return " and ".join(map(str, sorted({ns_steps(run) for run in runs if variant(run) == "opt5.py muon"})))
 
 
 def variant(run):
-    """The script, and for opt4 and opt5 the optimizer: "opt4.py muon" (runs from before --optimizer used AdamW)."""
-    if run["script"] in ("opt4.py", "opt5.py"):
+    """The script, and for opt5 and opt6 the optimizer: "opt5.py muon" (runs from before --optimizer used AdamW)."""
+    if run["script"] in ("opt5.py", "opt6.py"):
         return f"{run['script']} {run.get('settings', {}).get('optimizer', 'adamw')}"
     return run["script"]
 
 
 def optimizer_summary(runs):
-    """What the optimizer runs say: Muon against AdamW at equal time, the share of opt3's default run time Muon needs
+    """What the optimizer runs say: Muon against AdamW at equal time, the share of opt4's default run time Muon needs
     to reach its accuracy, and what a step costs at each image size, measured and in FLOPs."""
     curve = [run for run in runs if run["settings"]["seed"] == 0]  # other seeds: their own line below
-    muon, adamw = curve_points(curve, "opt4.py muon"), curve_points(curve, "opt4.py adamw")
-    opt3 = next((point for point in curve_points(curve, "opt3.py") if point[2] == DEFAULT_EPOCHS), None)
+    muon, adamw = curve_points(curve, "opt5.py muon"), curve_points(curve, "opt5.py adamw")
+    opt4 = next((point for point in curve_points(curve, "opt4.py") if point[2] == DEFAULT_EPOCHS), None)
     lines = []
     for minutes, accuracy, epochs in muon:
         at_equal_time = interpolate(adamw, minutes)
         versus = "AdamW's curve does not span that time" if at_equal_time is None else \
             f"AdamW at the same time: {at_equal_time:.1f} % (interpolated): {accuracy - at_equal_time:+.1f} points"
         lines.append(f"- Muon, `--epochs {epochs}`, seed 0: {accuracy:.1f} % in {minutes:.1f} min; {versus}.")
-    if opt3 is not None:
-        reached = first_reach(muon, opt3[1])
-        goal = f"opt3's `--epochs {DEFAULT_EPOCHS}` accuracy ({opt3[1]:.1f} % in {opt3[0]:.1f} min)"
+    if opt4 is not None:
+        reached = first_reach(muon, opt4[1])
+        goal = f"opt4's `--epochs {DEFAULT_EPOCHS}` accuracy ({opt4[1]:.1f} % in {opt4[0]:.1f} min)"
         run = next((f"its `--epochs {epochs}` run" for minutes, _, epochs in muon if minutes == reached),
                    "interpolated")
         lines.append(f"- Muon does not reach {goal} within its runs." if reached is None else
-                     f"- Muon reaches {goal} at {reached:.1f} min ({run}): {reached / opt3[0]:.0%} of opt3's time.")
+                     f"- Muon reaches {goal} at {reached:.1f} min ({run}): {reached / opt4[0]:.0%} of opt4's time.")
     groups = seed_groups(runs)
     for (label, epochs), group in groups.items():
         listed = ", ".join(f"{accuracy:.2f}" for accuracy in group["accuracies"])
         lines.append(f"- {OPTIMIZER_NAMES[label]} at `--epochs {epochs}`, seeds "
                      f"{', '.join(map(str, group['seeds']))}: {listed} % (mean {group['mean']:.2f}, spread "
                      f"{group['spread']:.2f} points), {group['minutes']:.1f} min on average.")
-    rivals = [(key, rival) for key, rival in groups.items() if key[0] == "opt4.py adamw"]
+    rivals = [(key, rival) for key, rival in groups.items() if key[0] == "opt5.py adamw"]
     for (label, epochs), group in groups.items():
-        if label == "opt4.py muon" and rivals:
+        if label == "opt5.py muon" and rivals:
             (_, rival_epochs), rival = min(rivals, key=lambda item: abs(item[1]["minutes"] - group["minutes"]))
             lines.append(f"- Muon at `--epochs {epochs}` against AdamW at `--epochs {rival_epochs}`, the nearest in "
                          f"time, seed means: {group['mean'] - rival['mean']:+.2f} points in "
@@ -486,14 +486,14 @@ def optimizer_summary(runs):
 
 
 def seed_groups(runs):
-    """{(variant, epochs): the seeds, their accuracies %, mean, spread and mean minutes} of each opt4 optimizer's runs
+    """{(variant, epochs): the seeds, their accuracies %, mean, spread and mean minutes} of each opt5 optimizer's runs
     at an --epochs measured with more than one seed."""
     groups = {}
     for run in runs:
-        if variant(run) in ("opt4.py muon", "opt4.py adamw"):
+        if variant(run) in ("opt5.py muon", "opt5.py adamw"):
             groups.setdefault((variant(run), len(run["epochs"])), {})[run["settings"]["seed"]] = run
     summaries = {}
-    for key, by_seed in sorted(groups.items(), key=lambda item: (item[0][0] != "opt4.py muon", item[0][1])):
+    for key, by_seed in sorted(groups.items(), key=lambda item: (item[0][0] != "opt5.py muon", item[0][1])):
         if len(by_seed) > 1:
             accuracies = [100 * by_seed[seed]["final_test_accuracy"] for seed in sorted(by_seed)]
             summaries[key] = {"seeds": sorted(by_seed), "accuracies": accuracies, "mean": statistics.mean(accuracies),
@@ -511,7 +511,7 @@ def step_costs(runs):
     """
     epochs = {"muon": {}, "adamw": {}}
     for run in runs:
-        if run["script"] == "opt4.py":
+        if run["script"] == "opt5.py":
             seen = set()
             for record in run["epochs"]:
                 size = record["image_size"]
@@ -529,7 +529,7 @@ def step_costs(runs):
                          f"(Muon's update {1 - costs['adamw'][size] / costs['muon'][size]:.0%} of its step"
                          f"{'; an epoch that includes compiling' if size in compiling else ''})" for size in sizes)
     flops = ", ".join(f"{training[size]:.0f} at {size}x{size}" for size in sizes)
-    steps = ns_steps(next(run for run in runs if variant(run) == "opt4.py muon"))
+    steps = ns_steps(next(run for run in runs if variant(run) == "opt5.py muon"))
     return [f"- ms per step with AdamW and with Muon, batch {batch}: {measured}.",
             f"- Muon's update with {steps} Newton-Schulz steps: {muon_update_flops(steps) / 1e9:.1f} GFLOP per step "
             f"(its matmuls, counted by torch), against the training step's {flops} GFLOP (forward and backward, "
@@ -537,19 +537,19 @@ def step_costs(runs):
 
 
 def muon_update_flops(steps):
-    """FLOPs of one step of opt4's Muon on ResNet10 with `steps` Newton-Schulz steps, counted by torch's
+    """FLOPs of one step of opt5's Muon on ResNet10 with `steps` Newton-Schulz steps, counted by torch's
     FlopCounterMode."""
     import torch
-    import opt4
+    import opt5
     parameters, cpu = list(common.ResNet10().parameters()), torch.device("cpu")
-    others = opt4.adamw([parameter for parameter in parameters if parameter.ndim != 4], 1e-3, cpu)
-    return harness.update_flops(opt4.Muon([parameter for parameter in parameters if parameter.ndim == 4], others,
+    others = opt5.adamw([parameter for parameter in parameters if parameter.ndim != 4], 1e-3, cpu)
+    return harness.update_flops(opt5.Muon([parameter for parameter in parameters if parameter.ndim == 4], others,
                                           dtype=torch.float32, steps=steps))
 
 
-def opt3_default_minutes(runs):
-    """Launch-to-result minutes of opt3 at its default --epochs, or None if the curve has no such run."""
-    return next((minutes for minutes, _, epochs in curve_points(runs, "opt3.py") if epochs == DEFAULT_EPOCHS), None)
+def opt4_default_minutes(runs):
+    """Launch-to-result minutes of opt4 at its default --epochs, or None if the curve has no such run."""
+    return next((minutes for minutes, _, epochs in curve_points(runs, "opt4.py") if epochs == DEFAULT_EPOCHS), None)
 
 
 def interpolate(points, x):
@@ -571,36 +571,36 @@ def first_reach(points, y):
 
 
 def curve_summary(runs):
-    """Two sentences read off the curves: how far opt4 at its default --epochs is above opt3 trained for the same
-    time, and what share of opt3's default run time opt4 needs to reach that run's accuracy."""
-    opt3, opt4 = curve_points(runs, "opt3.py"), curve_points(runs, "opt4.py")
+    """Two sentences read off the curves: how far opt5 at its default --epochs is above opt4 trained for the same
+    time, and what share of opt4's default run time opt5 needs to reach that run's accuracy."""
+    opt4, opt5 = curve_points(runs, "opt4.py"), curve_points(runs, "opt5.py")
+    opt5_default = next((point for point in opt5 if point[2] == DEFAULT_EPOCHS), None)
     opt4_default = next((point for point in opt4 if point[2] == DEFAULT_EPOCHS), None)
-    opt3_default = next((point for point in opt3 if point[2] == DEFAULT_EPOCHS), None)
-    if opt4_default is None or opt3_default is None:
-        return [f"Curve summary: not measured (it needs opt3 and opt4 at --epochs {DEFAULT_EPOCHS})."]
-    minutes, accuracy, _ = opt4_default
-    at_equal_time = interpolate(opt3, minutes)
+    if opt5_default is None or opt4_default is None:
+        return [f"Curve summary: not measured (it needs opt4 and opt5 at --epochs {DEFAULT_EPOCHS})."]
+    minutes, accuracy, _ = opt5_default
+    at_equal_time = interpolate(opt4, minutes)
     if at_equal_time is None:
-        ahead = f"opt3's curve ({opt3[0][0]:.1f}-{opt3[-1][0]:.1f} min) does not span that time"
+        ahead = f"opt4's curve ({opt4[0][0]:.1f}-{opt4[-1][0]:.1f} min) does not span that time"
     else:
-        ahead = (f"opt3 trained for the same time: {at_equal_time:.1f} % (interpolated), so opt4 is "
+        ahead = (f"opt4 trained for the same time: {at_equal_time:.1f} % (interpolated), so opt5 is "
                  f"{accuracy - at_equal_time:+.1f} points ahead")
-    lines = [f"- At `--epochs {DEFAULT_EPOCHS}` (its default before the recipe), opt4 reaches {accuracy:.1f} % in "
+    lines = [f"- At `--epochs {DEFAULT_EPOCHS}` (its default before the recipe), opt5 reaches {accuracy:.1f} % in "
              f"{minutes:.1f} min; {ahead}."]
-    target_minutes, target, _ = opt3_default
-    goal = f"opt3's `--epochs {DEFAULT_EPOCHS}` accuracy ({target:.1f} % in {target_minutes:.1f} min)"
-    reached = first_reach(opt4, target)
+    target_minutes, target, _ = opt4_default
+    goal = f"opt4's `--epochs {DEFAULT_EPOCHS}` accuracy ({target:.1f} % in {target_minutes:.1f} min)"
+    reached = first_reach(opt5, target)
     if reached is None:
-        lines.append(f"- opt4 does not reach {goal} within its runs (up to `--epochs {max(p[2] for p in opt4)}`).")
+        lines.append(f"- opt5 does not reach {goal} within its runs (up to `--epochs {max(p[2] for p in opt5)}`).")
     else:
-        lines.append(f"- opt4 reaches {goal} at {reached:.1f} min (interpolated): {reached / target_minutes:.0%} of "
-                     "opt3's time.")
+        lines.append(f"- opt5 reaches {goal} at {reached:.1f} min (interpolated): {reached / target_minutes:.0%} of "
+                     "opt4's time.")
     return lines
 
 
 def seeds_summary(curve, seeds):
     """Two sentences: each script's accuracy at its default --epochs per seed, with mean and spread; and where
-    opt4's seed-0 curve reaches opt3's mean."""
+    opt5's seed-0 curve reaches opt4's mean."""
     means, parts = {}, []
     for script in CONVERGENCE:
         accuracies = {run["settings"]["seed"]: 100 * run["final_test_accuracy"] for run in curve + seeds
@@ -610,13 +610,13 @@ def seeds_summary(curve, seeds):
         parts.append(f"{script[:-3]} {listed} % (seeds {', '.join(map(str, sorted(accuracies)))}: mean "
                      f"{means[script]:.2f}, spread {max(accuracies.values()) - min(accuracies.values()):.2f} points)")
     lines = [f"- At `--epochs {DEFAULT_EPOCHS}`: " + "; ".join(parts) + "."]
-    target, opt3_minutes = means["opt3.py"], opt3_default_minutes(curve)
-    reached = first_reach(curve_points(curve, "opt4.py"), target)
-    if reached is None or opt3_minutes is None:
-        lines.append(f"- opt4's seed-0 curve does not reach opt3's mean ({target:.2f} %) within its runs.")
+    target, opt4_minutes = means["opt4.py"], opt4_default_minutes(curve)
+    reached = first_reach(curve_points(curve, "opt5.py"), target)
+    if reached is None or opt4_minutes is None:
+        lines.append(f"- opt5's seed-0 curve does not reach opt4's mean ({target:.2f} %) within its runs.")
     else:
-        lines.append(f"- opt4's seed-0 curve reaches opt3's mean ({target:.2f} %) at {reached:.1f} min (interpolated): "
-                     f"{reached / opt3_minutes:.0%} of opt3's seed-0 time.")
+        lines.append(f"- opt5's seed-0 curve reaches opt4's mean ({target:.2f} %) at {reached:.1f} min (interpolated): "
+                     f"{reached / opt4_minutes:.0%} of opt4's seed-0 time.")
     return lines
 
 
@@ -633,21 +633,21 @@ def draw(runs, ladder, muon, out):
     accuracy_axis.set_title(f"Test accuracy after each epoch\n{cpu_words(runs[0])}", fontsize=9)
     accuracy_axis.set(xlabel="epoch", ylabel="test accuracy %")
     accuracy_axis.set_xticks(range(1, max(len(run["epochs"]) for run in runs) + 1))
-    colors = {"opt3.py": "tab:gray", "opt4.py adamw": "tab:orange", "opt4.py muon": "tab:green"}
+    colors = {"opt4.py": "tab:gray", "opt5.py adamw": "tab:orange", "opt5.py muon": "tab:green"}
     for runs_on_one_cpu, line_style in zip(muon, ["--", "-", ":"]):
-        opt3_minutes = opt3_default_minutes(runs_on_one_cpu)
+        opt4_minutes = opt4_default_minutes(runs_on_one_cpu)
         for label in colors:
-            points = {}  # --epochs: [(share of opt3's time, accuracy %)] of each seed
+            points = {}  # --epochs: [(share of opt4's time, accuracy %)] of each seed
             for run in runs_on_one_cpu:
                 if variant(run) == label:
                     points.setdefault(len(run["epochs"]), []).append(
-                        (run["launch_to_result_seconds"] / 60 / opt3_minutes, 100 * run["final_test_accuracy"]))
+                        (run["launch_to_result_seconds"] / 60 / opt4_minutes, 100 * run["final_test_accuracy"]))
             if not points:
                 continue
             every_run = [point for seeds in points.values() for point in seeds]
             time_axis.scatter(*zip(*every_run), s=10, color=colors[label], alpha=0.4)
             means = [(epochs, *map(statistics.mean, zip(*points[epochs]))) for epochs in sorted(points)]
-            name = label.replace(".py", "") + (f", {muon_steps(runs_on_one_cpu)} NS steps" if label == "opt4.py muon"
+            name = label.replace(".py", "") + (f", {muon_steps(runs_on_one_cpu)} NS steps" if label == "opt5.py muon"
                                                 else "")
             time_axis.plot([share for _, share, _ in means], [accuracy for _, _, accuracy in means], line_style,
                            marker="o", color=colors[label],
@@ -657,7 +657,7 @@ def draw(runs, ladder, muon, out):
                                    fontsize=7)
     time_axis.set_title("Final test accuracy against time from launch, on CPUs\nlines: mean over seeds, dots: each "
                         "run, labels: --epochs", fontsize=9)
-    time_axis.set(xlabel="launch to result, as a share of opt3 --epochs 5's (same CPU)", ylabel="test accuracy %")
+    time_axis.set(xlabel="launch to result, as a share of opt4 --epochs 5's (same CPU)", ylabel="test accuracy %")
     for axis in (accuracy_axis, time_axis):
         axis.grid(alpha=0.3)
     accuracy_axis.legend(fontsize=8)

@@ -38,15 +38,15 @@ import common
 import harness
 import opt1
 import opt2
-import opt3
 import opt4
 import opt5
+import opt6
 import plot
 
 ROOT = Path(__file__).resolve().parent
-SCRIPTS = {"baseline.py": baseline, "opt1.py": opt1, "opt2.py": opt2, "opt3.py": opt3}
-ALL_SCRIPTS = {**SCRIPTS, "opt4.py": opt4, "opt5.py": opt5}
-WHOLE_STEP = ("opt3.py", "opt4.py", "opt5.py")  # opt3 onwards: the training step as one function
+SCRIPTS = {"baseline.py": baseline, "opt1.py": opt1, "opt2.py": opt2, "opt4.py": opt4}
+ALL_SCRIPTS = {**SCRIPTS, "opt5.py": opt5, "opt6.py": opt6}
+WHOLE_STEP = ("opt4.py", "opt5.py", "opt6.py")  # opt4 onwards: the training step as one function
 CPU = torch.device("cpu")
 # Point downloads at a closed local port, so "no network" fails at once on any machine.
 NO_NETWORK = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}
@@ -77,7 +77,7 @@ def call(function, **available):
     """Call a script's function with the arguments its signature names (they differ along the chain).
 
     `run`, the object main() gathers what the functions need in, is made of everything `available`, with
-    `batch_size` and `accum_steps` as its settings (run.args); opt5 runs as one process unless told otherwise.
+    `batch_size` and `accum_steps` as its settings (run.args); opt6 runs as one process unless told otherwise.
     """
     args = SimpleNamespace(batch_size=available.get("batch_size"), accum_steps=available.get("accum_steps"))
     available["run"] = SimpleNamespace(args=args, **{"rank": 0, "world_size": 1, **available})
@@ -91,14 +91,14 @@ def call(function, **available):
 
 
 def assemble_the_step(module, run, epochs):
-    """What main() adds to `run` for opt3's whole step (opt3 onwards), uncaptured: the plan's buffers for
+    """What main() adds to `run` for opt4's whole step (opt4 onwards), uncaptured: the plan's buffers for
     run.train_data, a constant schedule (the optimizer's rate) for `epochs` epochs, and the step."""
     run.criterion = getattr(run, "criterion", None) or nn.CrossEntropyLoss()
     steps = len(run.train_data[1]) // (run.args.batch_size * run.world_size) // run.args.accum_steps
     run.plan = module.empty_plan(steps, run.args, run.device)
-    rate = run.optimizer.param_groups[0]["lr"]  # a tensor from opt3 on: read without a host read
+    rate = run.optimizer.param_groups[0]["lr"]  # a tensor from opt4 on: read without a host read
     run.schedule = rate.repeat(steps * epochs)
-    if "size" in inspect.signature(module.train_step).parameters:  # opt4 onwards: a step per image size
+    if "size" in inspect.signature(module.train_step).parameters:  # opt5 onwards: a step per image size
         run.train_steps = {size: functools.partial(module.train_step, run, size) for size in (8, 16, 24, 32)}
     else:
         run.train_step = functools.partial(module.train_step, run)
@@ -107,9 +107,9 @@ def assemble_the_step(module, run, epochs):
 def script_evaluate(module, model, dataset):
     """A script's own evaluate() on `dataset`, fed the way that script feeds it, in the precision it picks here."""
     loader = DataLoader(dataset, batch_size=64)
-    test_data = opt3.load_to_device(dataset, CPU)
+    test_data = opt4.load_to_device(dataset, CPU)
     return call(module.evaluate, model=model, loader=loader, test_data=test_data, batch_size=64,
-                amp_dtype=CPU_AMP_DTYPE, device=CPU, size=32, statistics=opt3.channel_statistics(CPU))
+                amp_dtype=CPU_AMP_DTYPE, device=CPU, size=32, statistics=opt4.channel_statistics(CPU))
 
 
 def read_json(path):
@@ -127,13 +127,13 @@ LEARN_ARGS = {
     "baseline.py": ["--batch-size", "32", "--train-size", "512"],
     "opt1.py": ["--batch-size", "32", "--train-size", "512", "--no-compile"],
     "opt2.py": ["--batch-size", "32", "--train-size", "512", "--workers", "2", "--no-compile"],
-    # opt3 onwards at their defaults: uncompiled; opt4 and opt5 16x16, then 32x32
-    "opt3.py": ["--batch-size", "16", "--train-size", "512"],
+    # opt4 onwards at their defaults: uncompiled; opt5 and opt6 16x16, then 32x32
     "opt4.py": ["--batch-size", "16", "--train-size", "512"],
     "opt5.py": ["--batch-size", "16", "--train-size", "512"],
+    "opt6.py": ["--batch-size", "16", "--train-size", "512"],
 }
 EVAL_TRANSFORM = {"baseline.py": common.plain_transform, "opt1.py": common.plain_transform,
-                  "opt2.py": common.normalized_transform, "opt3.py": None, "opt4.py": None, "opt5.py": None}
+                  "opt2.py": common.normalized_transform, "opt4.py": None, "opt5.py": None, "opt6.py": None}
 SUMMARY_FIELDS = {"total_seconds", "launch_to_result_seconds", "warmup_seconds", "steady_images_per_second",
                   "steady_ms_per_step", "achieved_tflops", "final_test_accuracy", "peak_memory_bytes",
                   "training_flops_per_image", "final_lr", "script", "device", "torch", "data", "settings", "epochs",
@@ -152,19 +152,19 @@ def test_script_learns_reports_and_saves(script, tmp_path):
     assert result.returncode == 0, result.stderr
     assert "says nothing about CIFAR-10" in result.stdout
     assert "epoch 1:" in result.stdout and "(includes compile/warm-up)" in result.stdout
-    assert ("steady state (epochs 2+)" in result.stdout) == (script not in ("opt4.py", "opt5.py"))  # one size
-    assert ("world size 1: global batch 16" in result.stdout) == (script == "opt5.py")  # no torchrun: one process
+    assert ("steady state (epochs 2+)" in result.stdout) == (script not in ("opt5.py", "opt6.py"))  # one size
+    assert ("world size 1: global batch 16" in result.stdout) == (script == "opt6.py")  # no torchrun: one process
 
     report = read_json(json_path)
     assert SUMMARY_FIELDS <= report.keys()
-    sized = {"image_size", "test_images"} if script in ("opt4.py", "opt5.py") else set()
+    sized = {"image_size", "test_images"} if script in ("opt5.py", "opt6.py") else set()
     assert [set(epoch) for epoch in report["epochs"]] == [EPOCH_FIELDS | sized, EPOCH_FIELDS | sized]
     assert [epoch.get("image_size", 32) for epoch in report["epochs"]] == [16 if sized else 32, 32]
     assert report["data"] == "synthetic" and report["settings"]["batch_size"] == int(LEARN_ARGS[script][1])
     assert report["settings"].get("compile", False) is False and report.get("world_size", 1) == 1
     assert report["final_test_accuracy"] > 0.5, "chance is 0.1: the loop does not learn"
     assert report["epochs"][1]["train_loss"] < report["epochs"][0]["train_loss"]
-    # steady state is not measured where the epochs train on different image sizes (opt4, opt5)
+    # steady state is not measured where the epochs train on different image sizes (opt5, opt6)
     steady = {"warmup_seconds", "steady_images_per_second", "steady_ms_per_step", "achieved_tflops"} if sized else set()
     assert all(value is not None for name, value in report.items() if name not in steady)
 
@@ -194,7 +194,7 @@ def test_help_documents_every_flag_with_its_default(script):
         flags.append("--compile")
     if script not in ("baseline.py", "opt1.py"):
         flags += ["--accum-steps", "--label-smoothing"]
-    if script in ("opt4.py", "opt5.py"):
+    if script in ("opt5.py", "opt6.py"):
         flags += ["--min-size", "--monitor-size"]
     for flag in flags:
         assert flag in result.stdout
@@ -250,7 +250,7 @@ def test_opt2_flags_are_checked_too(args, says):
     assert result.returncode == 2 and says in result.stderr
 
 
-@pytest.mark.parametrize("script", ["opt4.py", "opt5.py"])
+@pytest.mark.parametrize("script", ["opt5.py", "opt6.py"])
 def test_ns_steps_must_be_a_positive_integer(script):
     result = run_script(script, "--ns-steps", "0")
     assert result.returncode == 2 and result.stderr.count("\n") == 1
@@ -346,7 +346,7 @@ def test_an_old_driver_says_a_gpu_is_there_and_both_remedies_then_trains_on_the_
 
 
 def test_an_old_driver_with_device_cuda_exits_2_with_the_remedies():
-    result = run_on_fake_machine(OLD_DRIVER, "opt3.py", *NO_DATA, "--device", "cuda")
+    result = run_on_fake_machine(OLD_DRIVER, "opt4.py", *NO_DATA, "--device", "cuda")
     assert_one_error_line(result, "--device cuda: a GPU is here, but its NVIDIA driver is too old",
                           "update the driver to 580 or newer", "whl/cu126, or use --device cpu")
 
@@ -378,7 +378,7 @@ def test_macos_says_it_has_no_cuda(monkeypatch):
     assert harness.why_no_cuda() == ("macOS has no CUDA", None)
 
 
-@pytest.mark.parametrize("script", ["baseline.py", "opt4.py"])
+@pytest.mark.parametrize("script", ["baseline.py", "opt5.py"])
 def test_a_gpu_the_build_has_no_kernels_for_exits_2_naming_it_and_the_remedy(script):
     patches = VISIBLE_GPU.format(count=1, capability=70, name="Tesla V100-SXM2-16GB")
     result = run_on_fake_machine(patches, script, *NO_DATA)  # --device auto: the GPU is there, so no CPU fallback
@@ -579,7 +579,7 @@ def test_real_cifar10_path_reads_torchvision_layout(tmp_path, monkeypatch):
 def test_a_cifar10_batch_that_does_not_unpickle_exits_2_with_one_line(tmp_path):
     write_tiny_cifar10(tmp_path)
     (tmp_path / "cifar-10-batches-py" / "test_batch").write_bytes(b"not a pickle")
-    result = run_script("opt3.py", "--data-dir", tmp_path, "--device", "cpu", "--epochs", "1")
+    result = run_script("opt4.py", "--data-dir", tmp_path, "--device", "cpu", "--epochs", "1")
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "test_batch is not a CIFAR-10 batch" in result.stderr and "to download it again" in result.stderr
 
@@ -666,7 +666,7 @@ def onecycle_lr_after(total_steps, max_lr, steps=None):
     return optimizer.param_groups[0]["lr"]
 
 
-@pytest.mark.parametrize("script, accum_steps", [("opt2.py", 1), ("opt2.py", 3), ("opt3.py", 3), ("opt5.py", 3)])
+@pytest.mark.parametrize("script, accum_steps", [("opt2.py", 1), ("opt2.py", 3), ("opt4.py", 3), ("opt6.py", 3)])
 def test_onecycle_length_counts_optimizer_steps(script, accum_steps, tmp_path):
     json_path = tmp_path / "result.json"
     workers = ["--workers", 0] if script == "opt2.py" else []
@@ -679,7 +679,7 @@ def test_onecycle_length_counts_optimizer_steps(script, accum_steps, tmp_path):
     assert [epoch["images"] for epoch in report["epochs"]] == [10 // accum_steps * accum_steps * 16] * 2
     # The rate after the run tells how long the schedule was: counting micro-batches would leave it high.
     optimizer_steps = 2 * (10 // accum_steps)
-    # opt2 reports the rate its scheduler left after the last step; opt3 onwards the rate the last step took
+    # opt2 reports the rate its scheduler left after the last step; opt4 onwards the rate the last step took
     last = optimizer_steps - (script in WHOLE_STEP)
     lr = report["settings"]["lr"]
     assert report["final_lr"] == pytest.approx(onecycle_lr_after(optimizer_steps, lr, steps=last), rel=1e-6)
@@ -779,10 +779,10 @@ def test_each_epochs_work_is_counted_at_its_size_and_batch_and_modelled_on_an_h2
                                                                                     / 240e12)
 
 
-@pytest.mark.parametrize("script", ["opt4.py", "opt5.py"])
+@pytest.mark.parametrize("script", ["opt5.py", "opt6.py"])
 def test_the_recipes_defaults_fit_the_issues_five_modelled_h200_seconds_in_as_many_steps_as_five_epochs_of_128(
         script, monkeypatch):
-    module = {"opt4.py": opt4, "opt5.py": opt5}[script]
+    module = {"opt5.py": opt5, "opt6.py": opt6}[script]
     monkeypatch.setattr(sys, "argv", [script])
     args = module.parse_args()
     assert {name: getattr(args, name) for name in plot.RECIPE} == plot.RECIPE == {  # plot.py's tables
@@ -810,7 +810,7 @@ def test_the_harness_silences_torchs_warning_of_a_capturable_optimizer_stepping_
 def test_the_update_is_counted_on_a_copy_and_the_runs_weights_do_not_move():
     model = common.ResNet10()
     parameters = list(model.parameters())
-    optimizer = opt4.Muon([p for p in parameters if p.ndim == 4], opt4.adamw([p for p in parameters if p.ndim != 4],
+    optimizer = opt5.Muon([p for p in parameters if p.ndim == 4], opt5.adamw([p for p in parameters if p.ndim != 4],
                           1e-3, CPU), dtype=torch.float32, steps=3)
     before = [parameter.detach().clone() for parameter in parameters]
     hooks_run = []
@@ -822,7 +822,7 @@ def test_the_update_is_counted_on_a_copy_and_the_runs_weights_do_not_move():
     assert all(not state for state in optimizer.adamw.state.values()), "the run's optimizer took no step"
     assert harness.update_flops(torch.optim.SGD(parameters, lr=0.1)) == 0  # elementwise: FlopCounterMode counts none
     stem = model.stem[0].weight
-    alone = opt4.Muon([stem], opt4.adamw([nn.Parameter(torch.zeros(1))], 1e-3, CPU), dtype=torch.float32, steps=3)
+    alone = opt5.Muon([stem], opt5.adamw([nn.Parameter(torch.zeros(1))], 1e-3, CPU), dtype=torch.float32, steps=3)
     every, stem_update = harness.update_flops(optimizer), harness.update_flops(alone)
     stem.requires_grad_(False)  # as ablation.py's whitening row freezes it: no gradient, so a step skips it
     assert stem_update > 0 and harness.update_flops(optimizer) == every - stem_update
@@ -864,17 +864,17 @@ def test_profile_writes_a_trace(tmp_path):
     assert list((tmp_path / "trace").glob("*.pt.trace.json"))
 
 
-# -------------------------------------------------------------------- opt3's on-device data path
+# -------------------------------------------------------------------- opt4's on-device data path
 
 @pytest.mark.parametrize("height, width", [(32, 32), (64, 48)])  # CIFAR-10's size, and a copy-paste's
-def test_opt3_augment_crops_the_padded_image_at_its_offsets_and_mirrors_where_told(height, width):
+def test_opt4_augment_crops_the_padded_image_at_its_offsets_and_mirrors_where_told(height, width):
     images = torch.rand(32, 3, height, width)
     pad = common.CROP_PADDING
     padded = torch.nn.functional.pad(images, (pad, pad, pad, pad), mode="reflect")
     generator = torch.Generator().manual_seed(0)
     offsets = torch.randint(0, 2 * pad + 1, (2, 32, 1), generator=generator)
     flips = torch.rand(32, 1, generator=generator) < 0.5
-    augmented = opt3.augment(images, offsets, flips)
+    augmented = opt4.augment(images, offsets, flips)
     assert augmented.shape == images.shape
     for i, ((top,), (left,), (flip,)) in enumerate(zip(offsets[0].tolist(), offsets[1].tolist(), flips.tolist())):
         crop = padded[i, :, top:top + height, left:left + width]
@@ -883,24 +883,24 @@ def test_opt3_augment_crops_the_padded_image_at_its_offsets_and_mirrors_where_to
 
 
 def drawn_plan(size=100, batch_size=16, epochs=2, accum_steps=1, seed=0):
-    """opt3's plan for a training set of `size` images, and the run it belongs to, before any epoch is drawn."""
+    """opt4's plan for a training set of `size` images, and the run it belongs to, before any epoch is drawn."""
     args = SimpleNamespace(batch_size=batch_size, accum_steps=accum_steps)
     steps = size // batch_size // accum_steps
     run = SimpleNamespace(args=args, device=CPU, generator=torch.Generator().manual_seed(seed),
-                          plan=opt3.empty_plan(steps, args, CPU),
-                          schedule=opt3.onecycle_schedule(0.01, steps * epochs, CPU))
+                          plan=opt4.empty_plan(steps, args, CPU),
+                          schedule=opt4.onecycle_schedule(0.01, steps * epochs, CPU))
     return run
 
 
-def test_opt3_each_epochs_plan_shows_every_image_once_with_fresh_crops_into_the_same_buffers():
+def test_opt4_each_epochs_plan_shows_every_image_once_with_fresh_crops_into_the_same_buffers():
     run = drawn_plan(size=100, batch_size=16)
     addresses = {name: tensor.data_ptr() for name, tensor in vars(run.plan).items()}
-    opt3.draw_epoch(run, 96, epoch=1)
+    opt4.draw_epoch(run, 96, epoch=1)
     first = {name: tensor.clone() for name, tensor in vars(run.plan).items()}
     assert first["batches"].shape == (6, 16) and sorted(first["batches"].flatten().tolist()) == list(range(96))
     offsets = first["offsets"].flatten().tolist()
     assert set(offsets) == set(range(2 * common.CROP_PADDING + 1)) and 0 < first["flips"].float().mean() < 1
-    opt3.draw_epoch(run, 100, epoch=2)
+    opt4.draw_epoch(run, 100, epoch=2)
     second = run.plan.batches.flatten().tolist()
     assert len(second) == 96 and len(set(second)) == 96 and max(second) < 100  # 4 left over, none twice
     assert not torch.equal(run.plan.batches, first["batches"]) and not torch.equal(run.plan.offsets, first["offsets"])
@@ -908,8 +908,8 @@ def test_opt3_each_epochs_plan_shows_every_image_once_with_fresh_crops_into_the_
     assert {name: tensor.data_ptr() for name, tensor in vars(run.plan).items()} == addresses
 
 
-def test_opt3_schedule_table_is_onecycles_learning_rate_at_every_step_and_beta1_stays_torchs():
-    table = opt3.onecycle_schedule(0.02, 40, CPU)
+def test_opt4_schedule_table_is_onecycles_learning_rate_at_every_step_and_beta1_stays_torchs():
+    table = opt4.onecycle_schedule(0.02, 40, CPU)
     weight = torch.zeros(1, requires_grad=True)
     reference = torch.optim.AdamW([weight], lr=0.02)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(reference, max_lr=0.02, total_steps=40, pct_start=0.25)
@@ -921,10 +921,10 @@ def test_opt3_schedule_table_is_onecycles_learning_rate_at_every_step_and_beta1_
     assert table.shape == (40,) and torch.allclose(table, torch.tensor(expected, dtype=torch.float64).float())
     assert table.argmax() == 9 and table[0] == pytest.approx(0.02 / 25) and table[-1] < 1e-6
     # fused AdamW takes beta1 as a number: it stays at torch's 0.9, where OneCycleLR would cycle it 0.95-0.85-0.95
-    assert opt3.adamw([weight], 0.02, CPU).defaults["betas"] == (0.9, 0.999)
+    assert opt4.adamw([weight], 0.02, CPU).defaults["betas"] == (0.9, 0.999)
 
 
-def test_opt3_flip_tta_equals_plain_evaluation_on_mirror_symmetric_images(monkeypatch):
+def test_opt4_flip_tta_equals_plain_evaluation_on_mirror_symmetric_images(monkeypatch):
     monkeypatch.setattr(torch, "autocast", lambda *args, **kwargs: contextlib.nullcontext())  # float32
     torch.manual_seed(0)
     model = common.ResNet10().eval()
@@ -934,11 +934,11 @@ def test_opt3_flip_tta_equals_plain_evaluation_on_mirror_symmetric_images(monkey
 
     def plain_loss(images):
         with torch.no_grad():
-            return torch.nn.functional.cross_entropy(model(opt3.normalize(images, opt3.channel_statistics(CPU))),
+            return torch.nn.functional.cross_entropy(model(opt4.normalize(images, opt4.channel_statistics(CPU))),
                                                      labels).item()
 
     def tta_loss(images):
-        loss, _ = call(opt3.evaluate, model=model, test_data=(images, labels), amp_dtype=torch.float32, batch_size=8,
+        loss, _ = call(opt4.evaluate, model=model, test_data=(images, labels), amp_dtype=torch.float32, batch_size=8,
                        device=CPU)
         return loss
 
@@ -947,10 +947,10 @@ def test_opt3_flip_tta_equals_plain_evaluation_on_mirror_symmetric_images(monkey
     assert tta_loss(asymmetric) != pytest.approx(plain_loss(asymmetric), rel=1e-5), "the test must be able to fail"
 
 
-@pytest.mark.parametrize("script", ["opt4.py", "opt5.py"])
+@pytest.mark.parametrize("script", ["opt5.py", "opt6.py"])
 @pytest.mark.parametrize("size", [16, 32])
-def test_opt4_evaluation_scores_each_image_once_whatever_its_last_batch(script, size):
-    # opt4 evaluates eagerly, its last batch unpadded: batches of 16 over 40 images (the last one 8) score as one of 40,
+def test_opt5_evaluation_scores_each_image_once_whatever_its_last_batch(script, size):
+    # opt5 evaluates eagerly, its last batch unpadded: batches of 16 over 40 images (the last one 8) score as one of 40,
     # in float32 (amp_dtype float32 turns autocast off)
     torch.manual_seed(0)
     model = common.ResNet10().eval()
@@ -987,9 +987,9 @@ IN_EFFECT = {
     "baseline.py": ((False, False), None, 0.0),
     "opt1.py": ((False, False), "AdamW", 0.0),
     "opt2.py": ((False, False), "AdamW", 0.1),
-    "opt3.py": ((True, True), "AdamW, rate in a tensor", 0.1),
-    "opt4.py": ((True, True), "Muon", 0.1),
+    "opt4.py": ((True, True), "AdamW, rate in a tensor", 0.1),
     "opt5.py": ((True, True), "Muon", 0.1),
+    "opt6.py": ((True, True), "Muon", 0.1),
 }
 
 
@@ -1003,7 +1003,7 @@ def test_each_scripts_optimizations_are_in_effect(script, bfloat16_unit, monkeyp
     class AdamW(torch.optim.AdamW):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            # the first made: from opt3 on, OneCycleLR's table (onecycle_schedule) steps a stand-in of its own
+            # the first made: from opt4 on, OneCycleLR's table (onecycle_schedule) steps a stand-in of its own
             kind = "AdamW, rate in a tensor" if torch.is_tensor(self.defaults["lr"]) else "AdamW"
             created.setdefault("optimizer", kind)
 
@@ -1058,7 +1058,7 @@ def test_the_test_loss_is_computed_on_float32_logits(script, monkeypatch):
     model = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(3, 10))  # tiny: bfloat16 is quick anywhere
     dataset = common.synthetic_cifar10(32, train=False, transform=common.plain_transform())
     loader = DataLoader(dataset, batch_size=16)
-    call(ALL_SCRIPTS[script].evaluate, model=model, loader=loader, test_data=opt3.load_to_device(
+    call(ALL_SCRIPTS[script].evaluate, model=model, loader=loader, test_data=opt4.load_to_device(
         common.synthetic_cifar10(32, train=False, transform=None), CPU), batch_size=16, amp_dtype=torch.bfloat16,
         device=CPU, size=32)
     assert losses_on == [torch.float32, torch.float32]
@@ -1087,7 +1087,7 @@ def test_bfloat16_only_on_a_cpu_that_runs_it_natively(cpu, monkeypatch):
         assert (unit in why) if unit else ("no bfloat16 unit" in why)
 
 
-def test_on_a_gpu_opt1_picks_float16_and_opt3_bfloat16_only_where_it_is_native(monkeypatch):
+def test_on_a_gpu_opt1_picks_float16_and_opt4_bfloat16_only_where_it_is_native(monkeypatch):
     gpu = torch.device("cuda", 0)
     # An Ampere or newer GPU: bfloat16 in hardware.
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
@@ -1126,7 +1126,7 @@ def train_float16_epoch(script, model, optimizer, scaler, images=64):
     torch.manual_seed(0)
     loader = DataLoader(common.synthetic_cifar10(images, train=True, transform=common.normalized_transform()),
                         batch_size=16, shuffle=True)
-    train_data = opt3.load_to_device(common.synthetic_cifar10(images, train=True, transform=None), CPU)
+    train_data = opt4.load_to_device(common.synthetic_cifar10(images, train=True, transform=None), CPU)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     return call(ALL_SCRIPTS[script].train_one_epoch, model=model, loader=loader, train_data=train_data,
                 criterion=nn.CrossEntropyLoss(), optimizer=optimizer, scheduler=scheduler, scaler=scaler,
@@ -1136,7 +1136,7 @@ def train_float16_epoch(script, model, optimizer, scaler, images=64):
 
 
 def shipped_optimizer(script, model, lr=1e-2, dtype=torch.float16, device=CPU):
-    """The optimizer as `script` builds it: AdamW, from opt3 on fused with its rate in a tensor; opt4 and opt5 Muon
+    """The optimizer as `script` builds it: AdamW, from opt4 on fused with its rate in a tensor; opt5 and opt6 Muon
     for the filters (with that AdamW for the rest), its Newton-Schulz matmuls in `dtype` (float16: as on a GPU
     without bfloat16)."""
     module = ALL_SCRIPTS[script]
@@ -1149,7 +1149,7 @@ def shipped_optimizer(script, model, lr=1e-2, dtype=torch.float16, device=CPU):
     return torch.optim.AdamW(model.parameters(), lr=lr)
 
 
-@pytest.mark.parametrize("script", ["opt1.py", "opt2.py", "opt3.py", "opt4.py", "opt5.py"])
+@pytest.mark.parametrize("script", ["opt1.py", "opt2.py", "opt4.py", "opt5.py", "opt6.py"])
 def test_float16_with_grad_scaler_learns_and_moves_the_scale(script):
     model = small_net()
     optimizer = shipped_optimizer(script, model)
@@ -1161,7 +1161,7 @@ def test_float16_with_grad_scaler_learns_and_moves_the_scale(script):
     assert scaler.get_scale() != 2.0**8, "the loss scale never moved"
 
 
-@pytest.mark.parametrize("script", ["opt1.py", "opt2.py", "opt3.py", "opt4.py", "opt5.py"])
+@pytest.mark.parametrize("script", ["opt1.py", "opt2.py", "opt4.py", "opt5.py", "opt6.py"])
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step:UserWarning")  # a skipped step
 def test_a_float16_step_with_infinite_gradients_is_skipped(script):
     model = small_net()
@@ -1187,9 +1187,9 @@ def step_of(script, model, dataset, device, compiled=False):
                           scaler=torch.amp.GradScaler(device.type, enabled=False), amp_dtype=torch.float32,
                           generator=torch.Generator(device).manual_seed(0),
                           augment_generator=torch.Generator(device).manual_seed(0),
-                          train_data=opt3.load_to_device(dataset, device), statistics=opt3.channel_statistics(device))
+                          train_data=opt4.load_to_device(dataset, device), statistics=opt4.channel_statistics(device))
     assemble_the_step(module, run, epochs=2)
-    return run, run.train_steps[32] if hasattr(run, "train_steps") else run.train_step  # opt4 on: a step per size
+    return run, run.train_steps[32] if hasattr(run, "train_steps") else run.train_step  # opt5 on: a step per size
 
 
 def tensors_of_the_step(run):
@@ -1241,11 +1241,11 @@ def test_the_compiled_step_computes_what_the_step_run_eagerly_does_in_float32(sc
     assert torch.allclose(compiled_losses, eager_losses, rtol=1e-4)
 
 
-# ------------------------------------------------------------ opt3: compiled once, no host sync
+# ------------------------------------------------------------ opt4: compiled once, no host sync
 
 def compiled_run(script, flags, folder):
     """`script`'s main() compiled, in this process; returns the dynamo counters and the line printed after each
-    epoch, and the report. For opt3, from epoch 2 on a recompile is an error (the compiler's fail_on_recompile
+    epoch, and the report. For opt4, from epoch 2 on a recompile is an error (the compiler's fail_on_recompile
     stance), so a value baked into a graph (a learning rate, a step count) fails the run."""
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
@@ -1258,8 +1258,8 @@ def compiled_run(script, flags, folder):
             real_record_epoch(*args, **kwargs)
         after_each_epoch.append({"graphs": counters["stats"]["unique_graphs"], "frames": sum(counters["frames"].values()),
                                  "graph_breaks": sum(counters["graph_break"].values()), "line": printed.getvalue()})
-        # warm from here on (opt4 compiles again at each new image size; its test counts the graphs instead)
-        torch.compiler.set_stance("fail_on_recompile" if script == "opt3.py" else "default")
+        # warm from here on (opt5 compiles again at each new image size; its test counts the graphs instead)
+        torch.compiler.set_stance("fail_on_recompile" if script == "opt4.py" else "default")
 
     json_path = folder / "result.json"
     with pytest.MonkeyPatch.context() as patch:
@@ -1275,20 +1275,20 @@ def compiled_run(script, flags, folder):
 
 
 @pytest.fixture(scope="module")
-def compiled_opt3_run(tmp_path_factory):
-    return compiled_run("opt3.py", ["--epochs", "3", "--compile"], tmp_path_factory.mktemp("opt3"))
+def compiled_opt4_run(tmp_path_factory):
+    return compiled_run("opt4.py", ["--epochs", "3", "--compile"], tmp_path_factory.mktemp("opt4"))
 
 
 @pytest.fixture(scope="module")
-def eager_opt3_run(tmp_path_factory):
-    """opt3 at its defaults (uncompiled: on a GPU its step is then captured), with a trace of its last epoch."""
-    folder = tmp_path_factory.mktemp("opt3-eager")
+def eager_opt4_run(tmp_path_factory):
+    """opt4 at its defaults (uncompiled: on a GPU its step is then captured), with a trace of its last epoch."""
+    folder = tmp_path_factory.mktemp("opt4-eager")
     flags = ["--epochs", "2", "--profile", str(folder / "trace")]
-    return (*compiled_run("opt3.py", flags, folder), folder / "trace")
+    return (*compiled_run("opt4.py", flags, folder), folder / "trace")
 
 
-def test_opt3_compiles_its_model_once_for_training_and_once_for_evaluation_and_never_recompiles(compiled_opt3_run):
-    after_each_epoch, report = compiled_opt3_run
+def test_opt4_compiles_its_model_once_for_training_and_once_for_evaluation_and_never_recompiles(compiled_opt4_run):
+    after_each_epoch, report = compiled_opt4_run
     assert report["settings"]["compile"] and len(after_each_epoch) == 3
     # fail_on_recompile from epoch 2 on, while the learning rate changes at every step: the run ended. Only the model
     # is compiled (its training graph, and its evaluation graph: the partial last test batch is padded to one shape),
@@ -1297,7 +1297,7 @@ def test_opt3_compiles_its_model_once_for_training_and_once_for_evaluation_and_n
     assert [epoch["graphs"] for epoch in after_each_epoch] == [2, 2, 2]
 
 
-@pytest.mark.parametrize("default_run", ["eager_opt3_run", "eager_opt4_run"])  # opt5 runs opt4's step
+@pytest.mark.parametrize("default_run", ["eager_opt4_run", "eager_opt5_run"])  # opt6 runs opt5's step
 def test_the_default_path_compiles_nothing(default_run, request):
     # On a GPU the step is captured uncompiled; Dynamo's counters (cleared first) see every frame it would compile
     after_each_epoch, report, _ = request.getfixturevalue(default_run)
@@ -1316,11 +1316,11 @@ def eager_ops_per_step(trace_folder):
     return [sum(names.values()) for names in by_step], by_step
 
 
-def test_opt3_eager_step_launches_the_same_ops_every_step(eager_opt3_run):
+def test_opt4_eager_step_launches_the_same_ops_every_step(eager_opt4_run):
     # What a CUDA graph records once and replays: the step must be the same work every time, nothing decided on the
     # host per step. On a GPU the whole of it is one graph launch; here, traced eagerly, each op is counted
-    per_step, names = eager_ops_per_step(eager_opt3_run[2])
-    print(f"opt3, torch {torch.__version__}: {statistics.mean(per_step):.0f} kernel-launching ops a step, "
+    per_step, names = eager_ops_per_step(eager_opt4_run[2])
+    print(f"opt4, torch {torch.__version__}: {statistics.mean(per_step):.0f} kernel-launching ops a step, "
           f"uncompiled: {names[0]}")
     assert len(per_step) == 3 and all(counted == names[0] for counted in names) and per_step[0] > 50
 
@@ -1372,18 +1372,18 @@ def host_reads_in_one_epoch(script, images, amp_dtype=CPU_AMP_DTYPE, model=None)
     torch.manual_seed(0)
     model = model or common.ResNet10().to(memory_format=torch.channels_last)
     optimizer = shipped_optimizer(script, model, lr=1e-3, dtype=amp_dtype)
-    # opt3 onwards read their schedule off a table on the device (assemble_the_step's)
+    # opt4 onwards read their schedule off a table on the device (assemble_the_step's)
     scheduler = None if script in WHOLE_STEP else torch.optim.lr_scheduler.OneCycleLR(optimizer, 1e-3, total_steps=100)
     dataset = common.synthetic_cifar10(images, train=True, transform=None)
     loader = DataLoader(as_tensor_dataset(dataset), batch_size=8)
     scaler = torch.amp.GradScaler("cpu", enabled=amp_dtype == torch.float16)
     with CountHostReads() as counter, CountScalarReads() as scalars:
         call(ALL_SCRIPTS[script].train_one_epoch, model=model, loader=loader,
-             train_data=opt3.load_to_device(dataset, CPU), criterion=nn.CrossEntropyLoss(), optimizer=optimizer,
+             train_data=opt4.load_to_device(dataset, CPU), criterion=nn.CrossEntropyLoss(), optimizer=optimizer,
              scheduler=scheduler, scaler=scaler, amp_dtype=amp_dtype,
              accum_steps=1, keep_gradients=False, batch_size=8, generator=torch.Generator().manual_seed(0),
              augment_generator=torch.Generator().manual_seed(1), rank=0, world_size=1, device=CPU, epoch=1,
-             monitor=NO_MONITOR, size=16)  # opt4 onwards: a 16x16 epoch, so downscaling is counted too
+             monitor=NO_MONITOR, size=16)  # opt5 onwards: a 16x16 epoch, so downscaling is counted too
     return counter.reads, scalars.reads
 
 
@@ -1400,16 +1400,16 @@ def test_the_host_read_counters_catch_baselines_reads_per_step():
 
 
 # (tensor calls, scalars the dispatcher reads) at the end of an epoch: losses.tolist(), then .item() of the mean loss
-# and of the correct count; opt5 reads its totals with one .tolist()
-@pytest.mark.parametrize("script, end_of_epoch_reads", [("opt3.py", (3, 2)), ("opt4.py", (3, 2)), ("opt5.py", (2, 0))])
-def test_opt3_reads_from_the_device_once_per_epoch_not_per_step(script, end_of_epoch_reads):
+# and of the correct count; opt6 reads its totals with one .tolist()
+@pytest.mark.parametrize("script, end_of_epoch_reads", [("opt4.py", (3, 2)), ("opt5.py", (3, 2)), ("opt6.py", (2, 0))])
+def test_opt4_reads_from_the_device_once_per_epoch_not_per_step(script, end_of_epoch_reads):
     (two_steps, two_scalars), (four_steps, four_scalars) = host_reads_in_one_epoch(script, 16), \
         host_reads_in_one_epoch(script, 32)
     assert (len(two_steps), two_scalars) == (len(four_steps), four_scalars) == end_of_epoch_reads, \
         (two_steps, four_steps, two_scalars, four_scalars)
 
 
-@pytest.mark.parametrize("script, captured", [("opt3.py", True), ("opt4.py", False), ("opt5.py", False)])
+@pytest.mark.parametrize("script, captured", [("opt4.py", True), ("opt5.py", False), ("opt6.py", False)])
 def test_in_float16_fused_adamw_takes_grad_scalers_flag_on_the_device_and_muon_has_it_read_on_the_host(script,
                                                                                                       captured):
     # GradScaler hands a fused optimizer the found-inf flag as a tensor; for any other (Muon) it reads the flag with
@@ -1422,19 +1422,19 @@ def test_in_float16_fused_adamw_takes_grad_scalers_flag_on_the_device_and_muon_h
     assert reads_per_step == (0 if captured else 1) and (len(four_steps) - len(two_steps)) / 2 == reads_per_step
     optimizer = shipped_optimizer(script, small_net())
     why_not = ALL_SCRIPTS[script].capture_problem(torch.device("cuda"), torch.float16, optimizer,
-                                                   *([1] if script == "opt5.py" else []))
+                                                   *([1] if script == "opt6.py" else []))
     assert (why_not is None) == captured and (captured or "float16's GradScaler reads on the host" in why_not)
 
 
-# --------------------------------------------------- gradient accumulation in opt3 and opt5, one process
+# --------------------------------------------------- gradient accumulation in opt4 and opt6, one process
 
 def bn_free_net():
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 30 * 30, 10))
 
 
-@pytest.mark.parametrize("script", ["opt3.py", "opt5.py"])
-def test_opt3_accumulating_k_micro_batches_equals_one_big_batch(script, monkeypatch):
+@pytest.mark.parametrize("script", ["opt4.py", "opt6.py"])
+def test_opt4_accumulating_k_micro_batches_equals_one_big_batch(script, monkeypatch):
     monkeypatch.setattr(torch, "autocast", lambda *args, **kwargs: contextlib.nullcontext())  # float32
     monkeypatch.setattr(ALL_SCRIPTS[script], "augment", lambda images, offsets, flips: images)  # crops differ per batch
 
@@ -1443,7 +1443,7 @@ def test_opt3_accumulating_k_micro_batches_equals_one_big_batch(script, monkeypa
         optimizer = shipped_optimizer(script, model, lr=1e-2)
         dataset = common.synthetic_cifar10(24, train=True, transform=None)
         _, _, steps, images = call(
-            ALL_SCRIPTS[script].train_one_epoch, model=model, train_data=opt3.load_to_device(dataset, CPU),
+            ALL_SCRIPTS[script].train_one_epoch, model=model, train_data=opt4.load_to_device(dataset, CPU),
             criterion=nn.CrossEntropyLoss(), optimizer=optimizer,
             scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
             scaler=torch.amp.GradScaler("cpu", enabled=False), amp_dtype=torch.float32, accum_steps=accum_steps,
@@ -1458,27 +1458,27 @@ def test_opt3_accumulating_k_micro_batches_equals_one_big_batch(script, monkeypa
     one_step, _, _ = weights_after_one_epoch(24, 1)
     assert not torch.allclose(one_step, big_batch, atol=1e-3), "the comparison must be able to fail"
 
-# ---------------------------------------------------- opt4: progressive resizing, evaluation cadence
+# ---------------------------------------------------- opt5: progressive resizing, evaluation cadence
 
-def test_opt4_image_size_gives_each_size_an_equal_share_of_the_epochs_and_ends_at_the_full_size():
-    sizes = {epochs: [opt4.image_size(epoch, epochs, 16, 32) for epoch in range(1, epochs + 1)]
+def test_opt5_image_size_gives_each_size_an_equal_share_of_the_epochs_and_ends_at_the_full_size():
+    sizes = {epochs: [opt5.image_size(epoch, epochs, 16, 32) for epoch in range(1, epochs + 1)]
              for epochs in (1, 2, 3, 4, 5, 6, 7)}
     assert sizes == {1: [32], 2: [16, 32], 3: [16, 24, 32], 4: [16, 16, 24, 32], 5: [16, 16, 24, 24, 32],
                      6: [16, 16, 24, 24, 32, 32], 7: [16, 16, 16, 24, 24, 32, 32]}
-    assert [opt4.image_size(epoch, 4, 8, 32) for epoch in range(1, 5)] == [8, 16, 24, 32]
-    assert [opt4.image_size(epoch, 3, 32, 32) for epoch in range(1, 4)] == [32, 32, 32]
-    assert [opt4.image_size(epoch, 5, 16, 64) for epoch in range(1, 6)] == [16, 24, 32, 48, 64]
+    assert [opt5.image_size(epoch, 4, 8, 32) for epoch in range(1, 5)] == [8, 16, 24, 32]
+    assert [opt5.image_size(epoch, 3, 32, 32) for epoch in range(1, 4)] == [32, 32, 32]
+    assert [opt5.image_size(epoch, 5, 16, 64) for epoch in range(1, 6)] == [16, 24, 32, 48, 64]
 
 
-def test_opt4_downscale_averages_each_pixels_area():
+def test_opt5_downscale_averages_each_pixels_area():
     stripes = torch.arange(32.0).remainder(2).expand(1, 3, 32, 32)  # columns 0, 1, 0, 1, ...: mean 0.5
     for size in (16, 24):
-        small = opt4.downscale(stripes, size)
+        small = opt5.downscale(stripes, size)
         assert small.shape == (1, 3, size, size)
         # Bilinear sampling would alias the stripes into a new pattern at 24x24 (0.17 to 0.83; antialiased 0.3 to 0.7).
         assert torch.equal(small, torch.full_like(small, 0.5)), size
-    assert opt4.downscale(stripes, 32) is stripes
-    assert opt4.downscale(torch.rand(1, 3, 64, 64), 32).shape == (1, 3, 32, 32), "images of any size"
+    assert opt5.downscale(stripes, 32) is stripes
+    assert opt5.downscale(torch.rand(1, 3, 64, 64), 32).shape == (1, 3, 32, 32), "images of any size"
 
 
 class SizeRecordingResNet10(common.ResNet10):
@@ -1490,23 +1490,23 @@ class SizeRecordingResNet10(common.ResNet10):
         return super().forward(images)
 
 
-def test_opt4_trains_each_epoch_on_its_image_size_and_evaluates_all_test_images_only_at_the_end(tmp_path,
+def test_opt5_trains_each_epoch_on_its_image_size_and_evaluates_all_test_images_only_at_the_end(tmp_path,
                                                                                                    monkeypatch):
     for images in SizeRecordingResNet10.seen.values():
         images.clear()
     json_path, weights = tmp_path / "result.json", tmp_path / "weights.pt"
     monkeypatch.setattr(common, "ResNet10", SizeRecordingResNet10)
     monkeypatch.setattr(harness, "training_flops_per_image", lambda size=32: 1.0)  # it would run a ResNet10 of its own
-    evaluated, real_evaluate = [], opt4.evaluate
-    monkeypatch.setattr(opt4, "evaluate", lambda run, test_data, size: evaluated.append(test_data) or
+    evaluated, real_evaluate = [], opt5.evaluate
+    monkeypatch.setattr(opt5, "evaluate", lambda run, test_data, size: evaluated.append(test_data) or
                         real_evaluate(run, test_data, size))
     # 4 steps of 32 images per epoch; 256 test images in batches of 32, 64 of them after epochs 1 and 2. AdamW: in
     # the warm-up of 12 steps its steps are larger than Muon's, which would leave the test loss where it was.
-    monkeypatch.setattr(sys, "argv", ["opt4.py", *SMALL, "--no-compile", "--epochs", "3", "--train-size", "128",
+    monkeypatch.setattr(sys, "argv", ["opt5.py", *SMALL, "--no-compile", "--epochs", "3", "--train-size", "128",
                                       "--batch-size", "32", "--monitor-size", "64", "--optimizer", "adamw",
                                       "--json", str(json_path),
                                       "--save", str(weights)])
-    opt4.main()
+    opt5.main()
     seen = SizeRecordingResNet10.seen
     assert seen["train"] == [16] * 4 + [24] * 4 + [32] * 4
     # A 64-image subset at the size just trained on after epochs 1 and 2, all 256 at 32x32 after the last
@@ -1525,20 +1525,20 @@ def test_opt4_trains_each_epoch_on_its_image_size_and_evaluates_all_test_images_
     launch = [epoch["launch_seconds"] for epoch in report["epochs"]]
     assert 0 < launch[0] < launch[1] < launch[2] == report["launch_to_result_seconds"]
     assert report["epochs"][-1]["train_loss"] < report["epochs"][0]["train_loss"]
-    assert_saved_weights_match_the_report(weights, report, opt4, transform=None)
+    assert_saved_weights_match_the_report(weights, report, opt5, transform=None)
 
 
-# ------------------------------------------------------------------- opt4: Muon for the convolution filters
+# ------------------------------------------------------------------- opt5: Muon for the convolution filters
 
 @pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon arrived in torch 2.9")
-@pytest.mark.parametrize("ns_steps", [3, 5])  # opt4's default, torch's
-def test_opt4_muon_steps_a_filter_as_torch_optim_muon_steps_its_matrix_and_the_rest_as_adamw(ns_steps):
+@pytest.mark.parametrize("ns_steps", [3, 5])  # opt5's default, torch's
+def test_opt5_muon_steps_a_filter_as_torch_optim_muon_steps_its_matrix_and_the_rest_as_adamw(ns_steps):
     torch.manual_seed(0)
     filter_, shift = torch.randn(16, 8, 3, 3), torch.randn(16)
     # A 3x3 filter, channels_last as in the scripts; torch's Muon takes its 16 x 72 matrix (2-D weights only).
     ours = [nn.Parameter(filter_.contiguous(memory_format=torch.channels_last)), nn.Parameter(shift.clone())]
     theirs = [nn.Parameter(filter_.flatten(1).clone()), nn.Parameter(shift.clone())]
-    muon = opt4.Muon(ours[:1], opt4.adamw(ours[1:], 0.01, CPU), dtype=torch.bfloat16, steps=ns_steps)
+    muon = opt5.Muon(ours[:1], opt5.adamw(ours[1:], 0.01, CPU), dtype=torch.bfloat16, steps=ns_steps)
     # The same coefficients (torch's defaults, in bfloat16) and steps, Nesterov momentum 0.9 (ours: betas[0]), and
     # the update scaled to AdamW's size (Moonlight's 0.2 sqrt(max(rows, columns))); AdamW's settings for the rest
     references = [torch.optim.Muon(theirs[:1], lr=0.01, weight_decay=0.05, momentum=0.9, nesterov=True,
@@ -1560,7 +1560,7 @@ def test_opt4_muon_steps_a_filter_as_torch_optim_muon_steps_its_matrix_and_the_r
     torch.testing.assert_close(ours[1].detach(), theirs[1].detach())
 
 
-@pytest.mark.parametrize("script", ["opt4.py", "opt5.py"])
+@pytest.mark.parametrize("script", ["opt5.py", "opt6.py"])
 def test_muon_without_a_filters_gradient_steps_the_rest_as_adamw_and_leaves_the_filters(script):
     torch.manual_seed(0)
     frozen, shift = nn.Parameter(torch.randn(16, 8, 3, 3)), nn.Parameter(torch.randn(16))  # the filter: no gradient
@@ -1579,7 +1579,7 @@ def test_muon_without_a_filters_gradient_steps_the_rest_as_adamw_and_leaves_the_
 
 
 class PerFilterMuon(torch.optim.Optimizer):
-    """opt4's Muon as it was before its update became foreach ops on device-tensor rates (commit 410ebec), for filters
+    """opt5's Muon as it was before its update became foreach ops on device-tensor rates (commit 410ebec), for filters
     only: a Python loop over the filters, floats for the rate and momentum."""
 
     def __init__(self, filters, lr, weight_decay, dtype, steps):
@@ -1598,17 +1598,17 @@ class PerFilterMuon(torch.optim.Optimizer):
                 momentum = state["exp_avg"].lerp_(parameter.grad, 1 - beta1)
                 update = parameter.grad.lerp(momentum, beta1).flatten(1)
                 scale = 0.2 * max(update.shape) ** 0.5
-                update = opt4.orthogonalize(update, self.steps, self.dtype).reshape(parameter.shape)
+                update = opt5.orthogonalize(update, self.steps, self.dtype).reshape(parameter.shape)
                 parameter.add_(update, alpha=-lr * scale)
 
 
 @pytest.mark.parametrize("ns_steps", [3, 5])
-def test_opt4_muon_in_float32_steps_the_filters_as_its_per_filter_loop_did(ns_steps):
+def test_opt5_muon_in_float32_steps_the_filters_as_its_per_filter_loop_did(ns_steps):
     model = small_net()
     conv = nn.Conv2d(16, 32, 3, bias=False).to(memory_format=torch.channels_last)  # a second filter shape
     filters = [model[0].weight, conv.weight]
     reference = [nn.Parameter(filter_.detach().clone()) for filter_ in filters]
-    muon = opt4.Muon(filters, opt4.adamw(list(model[1:].parameters()), 0.01, CPU), dtype=torch.float32, steps=ns_steps)
+    muon = opt5.Muon(filters, opt5.adamw(list(model[1:].parameters()), 0.01, CPU), dtype=torch.float32, steps=ns_steps)
     per_filter = PerFilterMuon(reference, lr=0.01, weight_decay=0.05, dtype=torch.float32, steps=ns_steps)
     torch.manual_seed(1)
     for _ in range(3):
@@ -1626,44 +1626,44 @@ def test_opt4_muon_in_float32_steps_the_filters_as_its_per_filter_loop_did(ns_st
 @pytest.mark.parametrize("shape", [(64, 27), (27, 64), (128, 1152)])  # the stem, its transpose, a layer-2 filter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("steps", [3, 5])
-def test_opt4_orthogonalize_takes_every_singular_value_near_1(shape, dtype, steps):
+def test_opt5_orthogonalize_takes_every_singular_value_near_1(shape, dtype, steps):
     torch.manual_seed(0)
     matrix = torch.randn(shape) * torch.logspace(0, -1, shape[1])  # singular values spread over 10x
-    result = opt4.orthogonalize(matrix, steps=steps, dtype=dtype)
+    result = opt5.orthogonalize(matrix, steps=steps, dtype=dtype)
     assert result.shape == shape and result.dtype == dtype
     singular_values = torch.linalg.svdvals(result.float())
     assert 0.6 < singular_values.min() and singular_values.max() < 1.25, singular_values.aminmax()
 
 
 @pytest.mark.parametrize("steps, reached", [(3, [False, False, True]), (5, [False, True, True])])
-def test_opt4_orthogonalize_leaves_the_singular_values_under_its_threshold_below_1(steps, reached):
+def test_opt5_orthogonalize_leaves_the_singular_values_under_its_threshold_below_1(steps, reached):
     # Singular values 1/1000, 1/100 and 1/10 of the Frobenius norm (a fourth makes the norm 1): 3 steps take those
     # above 1/56 of it to 0.68 or more, 5 steps those above 1/660, as orthogonalize's docstring says
     small = torch.tensor([1e-3, 1e-2, 1e-1], dtype=torch.float64)
     singular_values = torch.cat([small, (1 - small.square().sum()).sqrt().view(1)])
     basis, _ = torch.linalg.qr(torch.randn(64, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0)))
-    result = opt4.orthogonalize(basis * singular_values, steps=steps, dtype=torch.float64)
+    result = opt5.orthogonalize(basis * singular_values, steps=steps, dtype=torch.float64)
     # Orthogonal columns stay orthogonal: each column's length is its singular value after the steps
     assert [length > 0.68 for length in result.norm(dim=0)[:3].tolist()] == reached, result.norm(dim=0)
 
 
-def test_opt4_muon_is_one_optimizer_whose_every_group_takes_the_schedules_rate_and_drops_its_gradients():
+def test_opt5_muon_is_one_optimizer_whose_every_group_takes_the_schedules_rate_and_drops_its_gradients():
     model = small_net()
     parameters = list(model.parameters())
     filters = [parameter for parameter in parameters if parameter.ndim == 4]
-    muon = opt4.Muon(filters, opt4.adamw([p for p in parameters if p.ndim != 4], 0.01, CPU), dtype=torch.float32,
+    muon = opt5.Muon(filters, opt5.adamw([p for p in parameters if p.ndim != 4], 0.01, CPU), dtype=torch.float32,
                      steps=3)
     assert muon.param_groups[0]["params"] == filters and len(filters) == 1
     assert sum(len(group["params"]) for group in muon.param_groups) == len(parameters)
     args = SimpleNamespace(batch_size=8, accum_steps=1)
     run = SimpleNamespace(optimizer=muon, scaler=torch.amp.GradScaler("cpu", enabled=False),
-                          plan=opt4.empty_plan(2, args, CPU), world_size=1)
+                          plan=opt5.empty_plan(2, args, CPU), world_size=1)
     run.plan.schedule.copy_(torch.tensor([0.004, 0.002]))
     before = [parameter.detach().clone() for parameter in parameters]
     for step in range(2):
         for parameter in parameters:
             parameter.grad = torch.ones_like(parameter)
-        opt4.optimizer_step(run)
+        opt5.optimizer_step(run)
         # each group, Muon's and AdamW's, stepped at this step's rate, and every gradient is dropped
         rates = {group["lr"].item() for group in muon.param_groups}
         assert rates == {run.plan.schedule[step].item()} and run.plan.step.item() == step + 1
@@ -1675,25 +1675,25 @@ def test_opt4_muon_is_one_optimizer_whose_every_group_takes_the_schedules_rate_a
 
 
 @pytest.fixture(scope="module")
-def compiled_opt4_run(tmp_path_factory):
+def compiled_opt5_run(tmp_path_factory):
     # --min-size 8 over 7 epochs: 8, 8, 16, 16, 24, 24, 32, as many sizes as any flags give, each twice but the last
     with pytest.MonkeyPatch.context() as patch:
         # Past torch's recompile_limit, dynamo would run the frame eager with a warning: make it an error here.
         patch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
-        return compiled_run("opt4.py", ["--epochs", "7", "--min-size", "8", "--compile"], tmp_path_factory.mktemp("opt4"))
+        return compiled_run("opt5.py", ["--epochs", "7", "--min-size", "8", "--compile"], tmp_path_factory.mktemp("opt5"))
 
 
 @pytest.fixture(scope="module")
-def eager_opt4_run(tmp_path_factory):
-    """opt4 at its defaults (uncompiled), with a trace of its last epoch, at 32x32."""
-    folder = tmp_path_factory.mktemp("opt4-eager")
+def eager_opt5_run(tmp_path_factory):
+    """opt5 at its defaults (uncompiled), with a trace of its last epoch, at 32x32."""
+    folder = tmp_path_factory.mktemp("opt5-eager")
     flags = ["--epochs", "2", "--min-size", "24", "--profile", str(folder / "trace")]
-    return (*compiled_run("opt4.py", flags, folder), folder / "trace")
+    return (*compiled_run("opt5.py", flags, folder), folder / "trace")
 
 
-def test_opt4_compiles_its_model_once_per_image_size_evaluates_eagerly_and_stays_under_the_recompile_limit(
-        compiled_opt4_run):
-    after_each_epoch, report = compiled_opt4_run
+def test_opt5_compiles_its_model_once_per_image_size_evaluates_eagerly_and_stays_under_the_recompile_limit(
+        compiled_opt5_run):
+    after_each_epoch, report = compiled_opt5_run
     assert [epoch["image_size"] for epoch in report["epochs"]] == [8, 8, 16, 16, 24, 24, 32]
     assert [epoch["graph_breaks"] for epoch in after_each_epoch] == [0] * 7
     # The model's training graph at each new size, and nothing for the evaluation (40 test images in batches of 16,
@@ -1706,13 +1706,13 @@ def test_opt4_compiles_its_model_once_per_image_size_evaluates_eagerly_and_stays
     assert warm_up == [True, False, True, False, True, False, True], warm_up
 
 
-def test_opt4_with_muon_launches_the_same_ops_every_step(eager_opt4_run, eager_opt3_run):
-    per_step, names = eager_ops_per_step(eager_opt4_run[2])
-    opt3_ops = statistics.mean(eager_ops_per_step(eager_opt3_run[2])[0])
-    print(f"opt4 (Muon), torch {torch.__version__}: {statistics.mean(per_step):.0f} kernel-launching ops a step, "
-          f"uncompiled (opt3: {opt3_ops:.0f}): {names[0]}")
-    assert eager_opt4_run[1]["settings"]["optimizer"] == "muon"
-    assert len(per_step) == 3 and all(counted == names[0] for counted in names) and per_step[0] > opt3_ops
+def test_opt5_with_muon_launches_the_same_ops_every_step(eager_opt5_run, eager_opt4_run):
+    per_step, names = eager_ops_per_step(eager_opt5_run[2])
+    opt4_ops = statistics.mean(eager_ops_per_step(eager_opt4_run[2])[0])
+    print(f"opt5 (Muon), torch {torch.__version__}: {statistics.mean(per_step):.0f} kernel-launching ops a step, "
+          f"uncompiled (opt4: {opt4_ops:.0f}): {names[0]}")
+    assert eager_opt5_run[1]["settings"]["optimizer"] == "muon"
+    assert len(per_step) == 3 and all(counted == names[0] for counted in names) and per_step[0] > opt4_ops
 
 
 # ------------------------------------------------------------------------------------ benchmark
@@ -1721,13 +1721,13 @@ def test_benchmark_measures_the_chain_by_the_readmes_command_on_a_cpu(tmp_path):
     # The README's command, then what makes it small here: the last of a repeated flag wins
     command = re.search(r"^python benchmark\.py [^#\n]*?(?=\s*(#|$))", (ROOT / "README.md").read_text(), re.M)[0]
     json_path = tmp_path / "chain.jsonl"
-    # 515 images: 8 steps of 64, 4 of 128 and 1 of 512 an epoch, so 5 epochs for OneCycleLR's 5 steps at opt4's batch
+    # 515 images: 8 steps of 64, 4 of 128 and 1 of 512 an epoch, so 5 epochs for OneCycleLR's 5 steps at opt5's batch
     write_tiny_cifar10(tmp_path / "data", train_per_file=103, test_size=64)  # not the official bytes: none checks them
     result = run_script(*shlex.split(command)[1:], "--device", "cpu", "--train-size", 512, "--epochs", 5,
                         "--data-dir", tmp_path / "data", "--json", json_path)
     assert result.returncode == 0, result.stderr
     table = [line.split("|")[1:-1] for line in result.stdout.splitlines() if line.startswith("| ")][1:]  # no header
-    scripts = ["baseline.py", "opt1.py", "opt2.py", "opt3.py", "opt4.py"]
+    scripts = ["baseline.py", "opt1.py", "opt2.py", "opt4.py", "opt5.py"]
     assert [cells[0].strip() for cells in table] == scripts and table[0][2].strip() == "1.00x"
     *runs, summary = [json.loads(line) for line in json_path.read_text().splitlines()]
     # each script's own --json line at its own batch size, named by the commit and the data it ran on
@@ -1740,7 +1740,7 @@ def test_benchmark_measures_the_chain_by_the_readmes_command_on_a_cpu(tmp_path):
     opt1_row = summary["rows"][1]
     assert table[1][1].strip() == f"{opt1_row['images_per_second']['all']:,.0f}"
     assert table[1][4].strip() == f"{100 * runs[1]['final_test_accuracy']:.2f}"
-    # opt4's 5 epochs train at 16, 16, 24, 24, 32 px: a steady speed at 16 and at 24 px, no single one to compare
+    # opt5's 5 epochs train at 16, 16, 24, 24, 32 px: a steady speed at 16 and at 24 px, no single one to compare
     assert re.fullmatch(r"[\d,]+ at 16 px, [\d,]+ at 24 px", table[4][1].strip()) and table[4][2].strip() == "-"
 
 
@@ -1752,10 +1752,10 @@ def test_benchmark_speedup_is_each_scripts_speed_over_baselines():
                  "settings": {"batch_size": 128}, "epochs": epochs or [{"train_seconds": 12.0}]}]
 
     results = {"baseline.py": reports(100.0), "opt1.py": reports(250.0), "opt2.py": reports(50.0),
-               "opt4.py": reports(None, sizes=[16, 16, 24, 32, 32])}
+               "opt5.py": reports(None, sizes=[16, 16, 24, 32, 32])}
     rows = [row.split("|")[1:-1] for row in benchmark.chain_table(results).splitlines()[2:]]
     assert [row[2].strip() for row in rows] == ["1.00x", "2.50x", "0.50x", "-"]
-    # opt4: each size's epochs after its first; 24 px trained once, compiling, so it has none
+    # opt5: each size's epochs after its first; 24 px trained once, compiling, so it has none
     assert rows[3][1].strip() == "100 at 16 px, 100 at 32 px" and rows[3][3].strip() == "1000.0 at 16 px, 1000.0 at " \
         "32 px (128)"
     assert [cell.strip() for cell in rows[0][4:8]] == ["50.00", "60.0", "12.0", "10.0"]
@@ -1763,7 +1763,7 @@ def test_benchmark_speedup_is_each_scripts_speed_over_baselines():
 
 def test_benchmark_ladder_compares_each_rung_with_the_one_it_adds_to():
     speeds = {"baseline": 100.0, "opt1 eager": 200.0, "opt1": 250.0, "opt2, 0 workers": 240.0,
-              "opt2, 2 workers": 200.0, "opt3 eager": 180.0, "opt3": 300.0}
+              "opt2, 2 workers": 200.0, "opt4 eager": 180.0, "opt4": 300.0}
     results = {rung: [{"steady_images_per_second": speed, "achieved_tflops": 0.1, "steady_ms_per_step": 1.0,
                        "warmup_seconds": 0.0, "peak_memory_bytes": 2**30, "final_test_accuracy": 0.5}]
                for rung, speed in speeds.items()}
@@ -1771,15 +1771,15 @@ def test_benchmark_ladder_compares_each_rung_with_the_one_it_adds_to():
     by_rung = {row[0].strip(): [cell.strip() for cell in row] for row in rows}
     assert list(by_rung) == list(speeds)
     assert by_rung["opt1"][5:8] == ["opt1 eager", "1.25x", "2.50x"]
-    assert by_rung["opt3 eager"][5:8] == ["opt2, 0 workers", "0.75x", "1.80x"]
-    assert by_rung["opt3 eager"][3] == "no host sync; the step captured as one CUDA graph" and by_rung["opt1"][3] == "-"
+    assert by_rung["opt4 eager"][5:8] == ["opt2, 0 workers", "0.75x", "1.80x"]
+    assert by_rung["opt4 eager"][3] == "no host sync; the step captured as one CUDA graph" and by_rung["opt1"][3] == "-"
 
 
 @pytest.mark.parametrize("rung, script, flags", [rung[:3] for rung in benchmark.LADDER])
 def test_every_ladder_rung_is_a_command_its_script_accepts(rung, script, flags, monkeypatch):
     monkeypatch.setattr(sys, "argv", [script, *flags])
     args = ALL_SCRIPTS[script].parse_args()
-    compiled_by_default = script in ("opt1.py", "opt2.py")  # opt3 on: off by default, the step captured uncompiled
+    compiled_by_default = script in ("opt1.py", "opt2.py")  # opt4 on: off by default, the step captured uncompiled
     assert getattr(args, "compile", False) == ("--compile" in flags or compiled_by_default and "--no-compile" not in flags)
 
 
@@ -1814,9 +1814,9 @@ def test_ablation_whitening_stem_is_frozen_and_made_from_the_training_images(mon
     ablation.whitening_stem(monkeypatch.setattr, images_used=64)
     train_set, _ = common.load_data(SimpleNamespace(synthetic=True, data_dir=None, train_size=256, test_size=64),
                                     None, None)
-    train_images, _ = opt4.load_to_device(train_set, CPU)
+    train_images, _ = opt5.load_to_device(train_set, CPU)
     model = common.ResNet10()
-    expected = ablation.whitening_weights(opt4.normalize(train_images[:64], opt4.channel_statistics(CPU)))
+    expected = ablation.whitening_weights(opt5.normalize(train_images[:64], opt5.channel_statistics(CPU)))
     assert torch.equal(model.stem[0].weight[:54], expected) and not model.stem[0].weight.requires_grad
 
 
@@ -1826,7 +1826,7 @@ def test_ablation_alternating_flip_mirrors_each_image_every_other_epoch(monkeypa
     run.args.seed = 0
     flips = {}
     for epoch in (1, 2, 3):
-        opt4.draw_epoch(run, 96, epoch)
+        opt5.draw_epoch(run, 96, epoch)
         by_image = torch.zeros(96, dtype=torch.bool)
         by_image[run.plan.batches.flatten()] = run.plan.flips.flatten()
         flips[epoch] = by_image
@@ -1840,14 +1840,14 @@ def test_ablation_ema_averages_the_weights_and_batchnorm_statistics_after_every_
             run.model(torch.randn(8, 4)).square().mean().backward()
             run.optimizer.step()
 
-    monkeypatch.setattr(opt4, "train_one_epoch", three_steps)
+    monkeypatch.setattr(opt5, "train_one_epoch", three_steps)
     ablation.ema_of_the_weights(monkeypatch.setattr, decay=0.5)
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
     run = SimpleNamespace(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     states = [{name: tensor.clone() for name, tensor in model.state_dict().items()}]
     record = run.optimizer.register_step_post_hook(lambda *_: states.append(
         {name: tensor.clone() for name, tensor in model.state_dict().items()}))
-    opt4.train_one_epoch(run, None, 1, NO_MONITOR, 32)
+    opt5.train_one_epoch(run, None, 1, NO_MONITOR, 32)
     record.remove()
     for name in ("0.weight", "1.running_mean", "1.running_var"):
         expected = states[0][name]
@@ -1857,18 +1857,18 @@ def test_ablation_ema_averages_the_weights_and_batchnorm_statistics_after_every_
     assert "1.num_batches_tracked" not in run.average
 
 
-def test_ablation_nesterov_row_builds_sgd_where_opt4_builds_adamw(monkeypatch):
+def test_ablation_nesterov_row_builds_sgd_where_opt5_builds_adamw(monkeypatch):
     ablation.nesterov_sgd(monkeypatch.setattr)
-    optimizer = opt4.adamw([nn.Parameter(torch.zeros(2))], 0.2, CPU)
+    optimizer = opt5.adamw([nn.Parameter(torch.zeros(2))], 0.2, CPU)
     assert isinstance(optimizer, torch.optim.SGD) and optimizer.defaults["lr"].item() == pytest.approx(0.2)
     settings = {name: optimizer.defaults[name] for name in ("momentum", "nesterov", "weight_decay")}
     assert settings == {"momentum": 0.9, "nesterov": True, "weight_decay": 5e-4}
     args = SimpleNamespace(batch_size=8, accum_steps=1)
     run = SimpleNamespace(optimizer=optimizer, scaler=torch.amp.GradScaler("cpu", enabled=False),
-                          plan=opt4.empty_plan(1, args, CPU))
+                          plan=opt5.empty_plan(1, args, CPU))
     run.plan.schedule.copy_(torch.tensor([0.1]))
     optimizer.param_groups[0]["params"][0].grad = torch.ones(2)
-    opt4.optimizer_step(run)  # opt4's own update step takes it, at the table's rate
+    opt5.optimizer_step(run)  # opt5's own update step takes it, at the table's rate
     assert optimizer.param_groups[0]["lr"].item() == pytest.approx(0.1)
 
 
@@ -1881,8 +1881,8 @@ def test_ablation_rows_flags_change_the_recipe_in_what_they_name_and_win_over_th
                                                                                               monkeypatch):
     _, row_flags, _, _ = ablation.ROWS[ablation.ROW_NAMES.index(row)]
     for given in ([], ["--optimizer", "muon", "--label-smoothing", "0.1", "--epochs", "20"]):
-        monkeypatch.setattr(sys, "argv", ["opt4.py", *given, *row_flags])  # as run_row puts them
-        args = opt4.parse_args()
+        monkeypatch.setattr(sys, "argv", ["opt5.py", *given, *row_flags])  # as run_row puts them
+        args = opt5.parse_args()
         assert {name: getattr(args, name) for name in plot.RECIPE if getattr(args, name) != plot.RECIPE[name]} == \
             changed
 
@@ -1902,11 +1902,11 @@ def test_ablation_runs_each_row_in_its_own_process_and_scores_three_ways(tmp_pat
     assert result.returncode == 0, result.stderr
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [line["row"] for line in lines] == ["shipped", "ema", "smoothing-0"]
-    # opt4 as it ships (Muon) with the flags given, and a row's own flag over them
+    # opt5 as it ships (Muon) with the flags given, and a row's own flag over them
     assert [(line["settings"]["optimizer"], line["settings"]["label_smoothing"]) for line in lines] == \
         [("muon", 0.2), ("muon", 0.2), ("muon", 0.0)]
     shipped = lines[0]
-    assert shipped["2_views"] == shipped["final_test_accuracy"], "2 views is opt4's own evaluation"
+    assert shipped["2_views"] == shipped["final_test_accuracy"], "2 views is opt5's own evaluation"
     assert shipped["2_views"] > 0.3, "it learns (10 classes)"
     for line in lines:
         assert line["command"].startswith(f"python ablation.py --rows {line['row']} --epochs 2")
@@ -1943,7 +1943,7 @@ def test_ablation_help_names_every_row_and_its_flags_defaults():
 # ------------------------------------------------------------------------------------ plot.py
 
 def write_plot_fixture(folder):
-    """Real-data reports, a ladder summary and timed opt3/opt4 runs, as the scripts and benchmark.py write them.
+    """Real-data reports, a ladder summary and timed opt4/opt5 runs, as the scripts and benchmark.py write them.
 
     Returns plot.py's flags that read them."""
     def run(script, accuracies):
@@ -1952,10 +1952,10 @@ def write_plot_fixture(folder):
         return {"script": script, "data": "cifar10", "device": "cpu", "cpu": "Test CPU (AMX)", "threads": 2,
                 "torch": "2.14.1", "steady_images_per_second": 100.0, "epochs": epochs}
 
-    runs = [run("baseline.py", [0.4, 0.5]), run("opt3.py", [0.6, 0.8]), {**run("opt3.py", [0.1]), "data": "synthetic"}]
+    runs = [run("baseline.py", [0.4, 0.5]), run("opt4.py", [0.6, 0.8]), {**run("opt4.py", [0.1]), "data": "synthetic"}]
     rows = [{"name": name, "images_per_second": speed, "tflops": speed * 1.5e9 / 1e12, "ms_per_step": 1000.0,
              "warmup_seconds": 0.5, "peak_memory_gib": 1.0, "percent_of_bf16_peak": speed * 1.5e9 / 1.2e12 * 100}
-            for name, speed in [("baseline", 100.0), ("opt3", 300.0)]]
+            for name, speed in [("baseline", 100.0), ("opt4", 300.0)]]
     ladder = {"benchmark": "ladder", "machine": "Test CPU (AMX)", "threads": 2, "bf16_peak_tflops": 1.2, "rows": rows}
 
     def timed_run(script, flags, sizes, launch_minutes, accuracy, seed=0, optimizer=None, cpu="Test CPU (AMX)",
@@ -1969,35 +1969,35 @@ def write_plot_fixture(folder):
                 "command": f"python {script} {flags} --data-dir /tmp/cifar10 --json results/convergence.jsonl",
                 "launch_to_result_seconds": epochs[-1]["launch_seconds"], "epochs": epochs}
 
-    convergence = [timed_run("opt3.py", "--epochs 2", [32, 32], [10.0, 20.0], 0.8),
-                   timed_run("opt3.py", "--epochs 2 --seed 1", [32, 32], [11.0, 22.0], 0.8),
-                   timed_run("opt4.py", "--epochs 2 --seed 1", [16, 32], [4.0, 10.5], 0.825)]
-    # opt3 at --epochs 2 and 5, opt4 at 5 and 6, in the order a sitting might run them
-    curve = [timed_run("opt4.py", "--epochs 6", [16, 16, 16, 24, 24, 32], [2, 4, 6, 10, 14, 18.0], 0.86),
-             timed_run("opt3.py", "--epochs 2", [32] * 2, [5, 10.0], 0.75),
-             timed_run("opt4.py", "--epochs 5", [16, 16, 24, 24, 32], [2, 4, 7, 10, 15.0], 0.82),
-             timed_run("opt3.py", "--epochs 5", [32] * 5, [5, 10, 15, 20, 25.0], 0.85)]
-    seeds = [timed_run("opt3.py", "--epochs 5 --seed 1", [32] * 5, [5, 10, 15, 20, 26.0], 0.84, seed=1),
-             timed_run("opt4.py", "--epochs 5 --seed 1", [16, 16, 24, 24, 32], [2, 4, 7, 10, 15.0], 0.83, seed=1),
-             timed_run("opt3.py", "--epochs 4 --seed 1", [32] * 4, [5, 10, 15, 20.0], 0.8, seed=1)]
+    convergence = [timed_run("opt4.py", "--epochs 2", [32, 32], [10.0, 20.0], 0.8),
+                   timed_run("opt4.py", "--epochs 2 --seed 1", [32, 32], [11.0, 22.0], 0.8),
+                   timed_run("opt5.py", "--epochs 2 --seed 1", [16, 32], [4.0, 10.5], 0.825)]
+    # opt4 at --epochs 2 and 5, opt5 at 5 and 6, in the order a sitting might run them
+    curve = [timed_run("opt5.py", "--epochs 6", [16, 16, 16, 24, 24, 32], [2, 4, 6, 10, 14, 18.0], 0.86),
+             timed_run("opt4.py", "--epochs 2", [32] * 2, [5, 10.0], 0.75),
+             timed_run("opt5.py", "--epochs 5", [16, 16, 24, 24, 32], [2, 4, 7, 10, 15.0], 0.82),
+             timed_run("opt4.py", "--epochs 5", [32] * 5, [5, 10, 15, 20, 25.0], 0.85)]
+    seeds = [timed_run("opt4.py", "--epochs 5 --seed 1", [32] * 5, [5, 10, 15, 20, 26.0], 0.84, seed=1),
+             timed_run("opt5.py", "--epochs 5 --seed 1", [16, 16, 24, 24, 32], [2, 4, 7, 10, 15.0], 0.83, seed=1),
+             timed_run("opt4.py", "--epochs 4 --seed 1", [32] * 4, [5, 10, 15, 20.0], 0.8, seed=1)]
 
-    # One CPU: opt3 at its default; opt4 with AdamW (one run from before --optimizer: AdamW) and with Muon (from
+    # One CPU: opt4 at its default; opt5 with AdamW (one run from before --optimizer: AdamW) and with Muon (from
     # before --ns-steps: 5 steps)
-    muon = [timed_run("opt3.py", "--epochs 5", [32] * 5, [5, 10, 15, 20, 25.0], 0.85),
-            timed_run("opt4.py", "--epochs 5", [16, 16, 24, 24, 32], [2, 4, 7, 10, 15.0], 0.82),
-            timed_run("opt4.py", "--epochs 6", [16, 16, 24, 24, 32, 32], [2, 4, 7, 10, 15, 20.0], 0.84,
+    muon = [timed_run("opt4.py", "--epochs 5", [32] * 5, [5, 10, 15, 20, 25.0], 0.85),
+            timed_run("opt5.py", "--epochs 5", [16, 16, 24, 24, 32], [2, 4, 7, 10, 15.0], 0.82),
+            timed_run("opt5.py", "--epochs 6", [16, 16, 24, 24, 32, 32], [2, 4, 7, 10, 15, 20.0], 0.84,
                       optimizer="adamw"),
-            timed_run("opt4.py", "--epochs 4", [16, 16, 24, 32], [2.5, 5, 9, 16.0], 0.845, optimizer="muon"),
-            timed_run("opt4.py", "--epochs 5", [16, 16, 24, 24, 32], [2.5, 5, 9, 13, 18.0], 0.865, optimizer="muon")]
+            timed_run("opt5.py", "--epochs 4", [16, 16, 24, 32], [2.5, 5, 9, 16.0], 0.845, optimizer="muon"),
+            timed_run("opt5.py", "--epochs 5", [16, 16, 24, 24, 32], [2.5, 5, 9, 13, 18.0], 0.865, optimizer="muon")]
     # Another: Muon with 3 steps at --epochs 4 and AdamW at 5, three seeds each
     other = {"cpu": "Other CPU (AVX-512 BF16)"}
-    muon_other_cpu = [timed_run("opt3.py", "--epochs 5", [32] * 5, [4, 8, 12, 16, 20.0], 0.85, **other)]
+    muon_other_cpu = [timed_run("opt4.py", "--epochs 5", [32] * 5, [4, 8, 12, 16, 20.0], 0.85, **other)]
     for seed, (muon_minutes, muon_accuracy, adamw_minutes, adamw_accuracy) in enumerate(
             [(12.0, 0.853, 12.6, 0.835), (12.5, 0.856, 12.9, 0.838), (13.0, 0.850, 13.2, 0.832)]):
         muon_other_cpu += [
-            timed_run("opt4.py", f"--epochs 4 --seed {seed}", [16, 16, 24, 32], [2, 4, 8, muon_minutes],
+            timed_run("opt5.py", f"--epochs 4 --seed {seed}", [16, 16, 24, 32], [2, 4, 8, muon_minutes],
                       muon_accuracy, seed=seed, optimizer="muon", ns_steps=3, **other),
-            timed_run("opt4.py", f"--epochs 5 --seed {seed} --optimizer adamw", [16, 16, 24, 24, 32],
+            timed_run("opt5.py", f"--epochs 5 --seed {seed} --optimizer adamw", [16, 16, 24, 24, 32],
                       [2, 4, 7, 10, adamw_minutes], adamw_accuracy, seed=seed, optimizer="adamw", **other)]
 
     def ablation_row(row, change, views, monitor, synthetic=False):
@@ -2006,7 +2006,7 @@ def write_plot_fixture(folder):
                 "1_view": views[0], "2_views": views[1], "6_views": views[2], "extra_view_seconds": 60.0,
                 "launch_to_result_seconds": 900.0}
 
-    ablation = [ablation_row("shipped", "opt4 as shipped", [0.81, 0.82, 0.83], 0.6),
+    ablation = [ablation_row("shipped", "opt5 as shipped", [0.81, 0.82, 0.83], 0.6),
                 ablation_row("ema", "EMA of the weights", [0.8, 0.81, 0.82], 0.55),
                 ablation_row("ema", "EMA of the weights", [0.1, 0.1, 0.1], 0.1, synthetic=True)]
     def gpu_run(script, flags, images_per_second, accuracy, sizes=(None,) * 3):
@@ -2022,17 +2022,17 @@ def write_plot_fixture(folder):
 
     # Three runs on a GPU, before rows recorded their commit (its folder's name has it), the first run last
     (folder / "gpu-abc1234").mkdir()
-    gpu = [gpu_run("opt3.py", "", 40_000.0, 0.85), gpu_run("baseline.py", "", 5_000.0, 0.75),
-           gpu_run("opt4.py", "--optimizer adamw", None, 0.84, sizes=(16, 16, 32)),
-           {**gpu_run("opt3.py", "", 1.0, 0.1), "data": "synthetic"}]
+    gpu = [gpu_run("opt4.py", "", 40_000.0, 0.85), gpu_run("baseline.py", "", 5_000.0, 0.75),
+           gpu_run("opt5.py", "--optimizer adamw", None, 0.84, sizes=(16, 16, 32)),
+           {**gpu_run("opt4.py", "", 1.0, 0.1), "data": "synthetic"}]
     (folder / "gpu-abc1234" / "chain.jsonl").write_text("".join(json.dumps(line) + "\n" for line in gpu))
-    recipe = [{**timed_run("opt4.py", "--epochs 3 --batch-size 512 --validation 5000", [16, 16, 32], [5, 10, 30.0],
+    recipe = [{**timed_run("opt5.py", "--epochs 3 --batch-size 512 --validation 5000", [16, 16, 32], [5, 10, 30.0],
                            0.9, validation=5000), "training_flops": 2.5e15, "modelled_h200_seconds": 1.234},
-              {**timed_run("opt4.py", "--epochs 2", [16, 32], [5, 12.0], 0.85, validation=0),
+              {**timed_run("opt5.py", "--epochs 2", [16, 32], [5, 12.0], 0.85, validation=0),
                "training_flops": 1e15, "modelled_h200_seconds": 0.5}]
-    # opt4's defaults, scored on the test set (seeds 1 and 0), on the held-out images, and on part of the test set
+    # opt5's defaults, scored on the test set (seeds 1 and 0), on the held-out images, and on part of the test set
     for seed, validation, accuracy in [(1, 0, 0.905), (0, 0, 0.9), (0, 5000, 0.95), (2, 0, 0.5)]:
-        recipe.append({**timed_run("opt4.py", f"--seed {seed}", [16, 16, 32], [5, 10, 30.0], accuracy, seed=seed,
+        recipe.append({**timed_run("opt5.py", f"--seed {seed}", [16, 16, 32], [5, 10, 30.0], accuracy, seed=seed,
                                    validation=validation, **plot.RECIPE),
                        "training_flops": 2.5e15, "modelled_h200_seconds": 4.08})
     for run, test_images in zip(recipe, [5000, 10000, 10000, 10000, 5000, 1000]):
@@ -2046,10 +2046,10 @@ def write_plot_fixture(folder):
     for row, accuracy, settings in [("shipped", 0.91, {}), ("adamw", 0.88, {"optimizer": "adamw"}), ("ema", 0.95, {}),
                                     ("shipped", 0.5, {"epochs": 10, "seed": 3})]:
         recipe.append({**timed_run("ablation.py", f"--rows {row} --seed 2", [16, 16, 32], [5, 10, 31.0], accuracy,
-                                   **{**defaults, "seed": 2, **settings}), "script": "opt4.py", "row": row,
+                                   **{**defaults, "seed": 2, **settings}), "script": "opt5.py", "row": row,
                        "change": f"{row} instead", "1_view": accuracy - 0.01, "2_views": accuracy,
                        "6_views": accuracy + 0.002, "training_flops": 2.5e15, "modelled_h200_seconds": 4.08})
-    recipe += [{**timed_run("opt4.py", f"--epochs {epochs} --seed 0", [16, 24, 32], [3, 6, 15.0], 0.88, cpu=cpu,
+    recipe += [{**timed_run("opt5.py", f"--epochs {epochs} --seed 0", [16, 24, 32], [3, 6, 15.0], 0.88, cpu=cpu,
                             **{**defaults, "epochs": epochs}), "training_flops": 1.2e15, "modelled_h200_seconds": 2.04}
                for epochs, cpu in [(10, "Test CPU (AMX)"), (15, "Other CPU (AVX-512 BF16)")]]
     for run in recipe[-6:]:
@@ -2089,24 +2089,24 @@ def test_plot_tables_the_recipe_runs_with_their_work_and_what_scored_them(tables
     assert "| `--epochs 3 --batch-size 512 --validation 5000` | 16 x2, 32 x1 | 1170 | 2.50 | 1.23 | validation " \
            "(5,000) | 90.00 | 30.0 |" in tables
     assert "| `--epochs 2` | 16 x1, 32 x1 | 780 | 1.00 | 0.50 | test (10,000) | 85.00 | 12.0 |" in tables
-    # opt4's defaults on the whole test set: seeds 0 and 1, not the held-out run or the one on 1,000 test images
-    # opt4's defaults on the whole test set: seeds 0 and 1 of opt4.py and ablation.py's shipped row (seed 2), not
+    # opt5's defaults on the whole test set: seeds 0 and 1, not the held-out run or the one on 1,000 test images
+    # opt5's defaults on the whole test set: seeds 0 and 1 of opt5.py and ablation.py's shipped row (seed 2), not
     # its other rows (the ema row's settings are the defaults'), the held-out run or the one on 1,000 test images
-    assert "opt4's defaults (the recipe) on the test set: **90.50 %**, the mean of 3 seeds (0, 1, 2: 90.00, 90.50, " \
+    assert "opt5's defaults (the recipe) on the test set: **90.50 %**, the mean of 3 seeds (0, 1, 2: 90.00, 90.50, " \
            "91.00), in 4.08 modelled H200 seconds" in tables
 
 
-def test_plot_tables_the_recipes_curve_after_opt3s_reference_run_on_the_same_cpu(tables):
+def test_plot_tables_the_recipes_curve_after_opt4s_reference_run_on_the_same_cpu(tables):
     curve = tables[tables.index("The recipe's curve:"):].split("\n\n")[1].splitlines()
-    # opt3 --epochs 5 on the CPU of the recipe's runs, the last run of each seed (seed 0 is in two files), not its
-    # --epochs 2 or another CPU's; its work counted as opt4 counts its own
+    # opt4 --epochs 5 on the CPU of the recipe's runs, the last run of each seed (seed 0 is in two files), not its
+    # --epochs 2 or another CPU's; its work counted as opt5 counts its own
     records = [{"steps": 390, "images": 50_000, "image_size": 32}] * 5
     work = harness.count_work([dict(record) for record in records], 0)
     assert curve[2:] == [
-        f"| opt3 `--epochs 5` (reference) | 32 x5 | 0, 1 | 84.50 (85.00, 84.00) | 1950 "
+        f"| opt4 `--epochs 5` (reference) | 32 x5 | 0, 1 | 84.50 (85.00, 84.00) | 1950 "
         f"| {work['training_flops'] / 1e15:.2f} | {work['modelled_h200_seconds']:.2f} | 25.5 |",
-        "| opt4 `--epochs 10` | 16 x1, 24 x1, 32 x1 | 0, 3 | 69.00 (88.00, 50.00) | 1170 | 1.20 | 2.04 | 23.0 |",
-        "| opt4 `--epochs 20` (default) | 16 x2, 32 x1 | 0, 1, 2 | 90.50 (90.00, 90.50, 91.00) | 1170 | 2.50 | 4.08 "
+        "| opt5 `--epochs 10` | 16 x1, 24 x1, 32 x1 | 0, 3 | 69.00 (88.00, 50.00) | 1170 | 1.20 | 2.04 | 23.0 |",
+        "| opt5 `--epochs 20` (default) | 16 x2, 32 x1 | 0, 1, 2 | 90.50 (90.00, 90.50, 91.00) | 1170 | 2.50 | 4.08 "
         "| 30.3 |"]  # the 15-epoch run is the other CPU's
 
 
@@ -2120,9 +2120,9 @@ def test_plot_tables_the_recipes_ablation_rows_against_the_mean_of_its_seeds(tab
 def test_plot_tables_the_gpu_runs_in_the_chains_order_with_their_commit(tables):
     assert "Test GPU, 16 threads of an Test CPU (AMX), torch 2.11.0, commit abc1234:" in tables
     assert "| baseline.py | 5,000 | 1.00x | 12.8 (64) | 75.00 | 30.0 | 5.0 | 10.0 | 1.00 |" in tables
-    assert "| opt3.py | 40,000 | 8.00x | 1.6 (128) | 85.00 | 30.0 | 5.0 | 10.0 | 1.00 |" in tables
-    assert "| opt4.py --optimizer adamw | 50,000 at 16 px | - | 2.6 at 16 px (128) | 84.00 |" in tables
-    assert tables.index("| baseline.py |") < tables.index("| opt3.py |") < tables.index("| opt4.py --optimizer")
+    assert "| opt4.py | 40,000 | 8.00x | 1.6 (128) | 85.00 | 30.0 | 5.0 | 10.0 | 1.00 |" in tables
+    assert "| opt5.py --optimizer adamw | 50,000 at 16 px | - | 2.6 at 16 px (128) | 84.00 |" in tables
+    assert tables.index("| baseline.py |") < tables.index("| opt4.py |") < tables.index("| opt5.py --optimizer")
 
 
 def test_plot_draws_and_tables_a_ladder_from_a_cpu_without_a_bfloat16_unit(tmp_path):
@@ -2134,45 +2134,45 @@ def test_plot_draws_and_tables_a_ladder_from_a_cpu_without_a_bfloat16_unit(tmp_p
     (tmp_path / "ladder.jsonl").write_text(json.dumps(ladder) + "\n")
     tables = run_script("plot.py", "--tables", *data)
     assert tables.returncode == 0, tables.stderr
-    assert "| opt3 | 300 | 1000.0 | 0.5 | 1.00 | 0.450 | n/a |" in tables.stdout
+    assert "| opt4 | 300 | 1000.0 | 0.5 | 1.00 | 0.450 | n/a |" in tables.stdout
     assert run_script("plot.py", *data, "--out", tmp_path / "figure.png", "--cpu-out", tmp_path / "cpu.png"
                       ).returncode == 0
 
 
 def test_plot_tables_print_the_latest_real_data_run_of_each_script(tables):
     assert "| `baseline.py` | 40.0 | 50.0 | 2.0 | 100 |" in tables
-    assert "| `opt3.py` | 60.0 | 80.0 | 2.0 | 100 |" in tables  # the synthetic run is not the data
-    assert "| opt3 | 300 | 1000.0 | 0.5 | 1.00 | 0.450 | 38 |" in tables
-    # Each timed run against the mean of opt3's (21 minutes); the flags without the data and JSON paths
-    assert "| `opt3.py` | `--epochs 2` | 32, 32 | 80.0 | 20.0 | 95% |" in tables
-    assert "| `opt4.py` | `--epochs 2 --seed 1` | 16, 32 | 82.5 | 10.5 | 50% |" in tables
+    assert "| `opt4.py` | 60.0 | 80.0 | 2.0 | 100 |" in tables  # the synthetic run is not the data
+    assert "| opt4 | 300 | 1000.0 | 0.5 | 1.00 | 0.450 | 38 |" in tables
+    # Each timed run against the mean of opt4's (21 minutes); the flags without the data and JSON paths
+    assert "| `opt4.py` | `--epochs 2` | 32, 32 | 80.0 | 20.0 | 95% |" in tables
+    assert "| `opt5.py` | `--epochs 2 --seed 1` | 16, 32 | 82.5 | 10.5 | 50% |" in tables
 
 
-def test_plot_reads_opt4_against_opt3_at_equal_time_off_the_curves(tables):
-    # Each curve run against opt3 --epochs 5 (25 minutes)
-    assert "| `opt4.py` | `--epochs 6` | 16, 16, 16, 24, 24, 32 | 86.0 | 18.0 | 72% |" in tables
-    # opt3 at opt4's 15 minutes: 75 + (85 - 75) x (15 - 10) / (25 - 10) = 78.3 %
-    assert "opt4 reaches 82.0 % in 15.0 min; opt3 trained for the same time: 78.3 % (interpolated), so opt4 is " \
+def test_plot_reads_opt5_against_opt4_at_equal_time_off_the_curves(tables):
+    # Each curve run against opt4 --epochs 5 (25 minutes)
+    assert "| `opt5.py` | `--epochs 6` | 16, 16, 16, 24, 24, 32 | 86.0 | 18.0 | 72% |" in tables
+    # opt4 at opt5's 15 minutes: 75 + (85 - 75) x (15 - 10) / (25 - 10) = 78.3 %
+    assert "opt5 reaches 82.0 % in 15.0 min; opt4 trained for the same time: 78.3 % (interpolated), so opt5 is " \
            "+3.7 points ahead." in tables
-    # 85 % on opt4's curve: 15 + (18 - 15) x (85 - 82) / (86 - 82) = 17.25 minutes, 69 % of opt3's 25
-    assert "opt4 reaches opt3's `--epochs 5` accuracy (85.0 % in 25.0 min) at 17.2 min (interpolated): 69% of " \
-           "opt3's time." in tables
+    # 85 % on opt5's curve: 15 + (18 - 15) x (85 - 82) / (86 - 82) = 17.25 minutes, 69 % of opt4's 25
+    assert "opt5 reaches opt4's `--epochs 5` accuracy (85.0 % in 25.0 min) at 17.2 min (interpolated): 69% of " \
+           "opt4's time." in tables
 
 
-def test_plot_gives_each_scripts_seeds_their_mean_and_spread_and_reads_opt3s_mean_off_opt4s_curve(tables):
-    # Only runs at --epochs 5 count: opt3 85 (seed 0) and 84 (seed 1), opt4 82 and 83
-    assert "- At `--epochs 5`: opt3 85.00, 84.00 % (seeds 0, 1: mean 84.50, spread 1.00 points); opt4 82.00, " \
+def test_plot_gives_each_scripts_seeds_their_mean_and_spread_and_reads_opt4s_mean_off_opt5s_curve(tables):
+    # Only runs at --epochs 5 count: opt4 85 (seed 0) and 84 (seed 1), opt5 82 and 83
+    assert "- At `--epochs 5`: opt4 85.00, 84.00 % (seeds 0, 1: mean 84.50, spread 1.00 points); opt5 82.00, " \
            "83.00 % (seeds 0, 1: mean 82.50, spread 1.00 points)." in tables
-    # 84.5 % on opt4's seed-0 curve: 15 + (18 - 15) x (84.5 - 82) / (86 - 82) = 16.9 minutes, 68 % of opt3's 25
-    assert "- opt4's seed-0 curve reaches opt3's mean (84.50 %) at 16.9 min (interpolated): 68% of opt3's seed-0 " \
+    # 84.5 % on opt5's seed-0 curve: 15 + (18 - 15) x (84.5 - 82) / (86 - 82) = 16.9 minutes, 68 % of opt4's 25
+    assert "- opt5's seed-0 curve reaches opt4's mean (84.50 %) at 16.9 min (interpolated): 68% of opt4's seed-0 " \
            "time." in tables
 
 
 def test_plot_tables_the_ablation_against_the_shipped_row_and_extra_views_against_training(tables):
-    assert "| shipped | opt4 as shipped | 82.00 | +0.00 | 81.00 | 83.00 | 15.0 | 60 | 60.0 (1000) |" in tables
+    assert "| shipped | opt5 as shipped | 82.00 | +0.00 | 81.00 | 83.00 | 15.0 | 60 | 60.0 (1000) |" in tables
     assert "| ema | EMA of the weights | 81.00 | -1.00 | 80.00 | 82.00 | 15.0 | 60 | 55.0 (1000) |" in tables
-    # 60 s more training from opt4 --epochs 5 (82 % at 15 min) on its curve to --epochs 6 (86 % at 18 min): +1.3
-    assert "add +1.0 points to opt4 as shipped for 60 s; the same seconds spent training: +1.3 points" \
+    # 60 s more training from opt5 --epochs 5 (82 % at 15 min) on its curve to --epochs 6 (86 % at 18 min): +1.3
+    assert "add +1.0 points to opt5 as shipped for 60 s; the same seconds spent training: +1.3 points" \
         in tables
 
 
@@ -2181,13 +2181,13 @@ def test_plot_curve_summary_says_what_the_curves_do_not_reach():
         return {"script": script, "launch_to_result_seconds": 60 * minutes, "final_test_accuracy": accuracy,
                 "epochs": [{}] * epochs}
 
-    slow_opt3 = [run("opt3.py", 20.0, 0.8, 4), run("opt3.py", 25.0, 0.85, 5)]
-    low_opt4 = [run("opt4.py", 12.0, 0.8, 5), run("opt4.py", 15.0, 0.83, 6)]
-    first, second = plot.curve_summary(slow_opt3 + low_opt4)
-    assert "opt3's curve (20.0-25.0 min) does not span that time" in first
-    assert "opt4 does not reach opt3's `--epochs 5` accuracy (85.0 % in 25.0 min) within its runs (up to " \
+    slow_opt4 = [run("opt4.py", 20.0, 0.8, 4), run("opt4.py", 25.0, 0.85, 5)]
+    low_opt5 = [run("opt5.py", 12.0, 0.8, 5), run("opt5.py", 15.0, 0.83, 6)]
+    first, second = plot.curve_summary(slow_opt4 + low_opt5)
+    assert "opt4's curve (20.0-25.0 min) does not span that time" in first
+    assert "opt5 does not reach opt4's `--epochs 5` accuracy (85.0 % in 25.0 min) within its runs (up to " \
            "`--epochs 6`)" in second
-    assert plot.curve_summary(low_opt4) == ["Curve summary: not measured (it needs opt3 and opt4 at --epochs 5)."]
+    assert plot.curve_summary(low_opt5) == ["Curve summary: not measured (it needs opt4 and opt5 at --epochs 5)."]
 
 
 def test_plot_reads_muon_against_adamw_at_equal_time_and_the_cost_of_its_step(tables):
@@ -2196,9 +2196,9 @@ def test_plot_reads_muon_against_adamw_at_equal_time_and_the_cost_of_its_step(ta
            "+2.1 points." in tables
     assert "- Muon, `--epochs 5`, seed 0: 86.5 % in 18.0 min; AdamW at the same time: 83.2 % (interpolated): " \
            "+3.3 points." in tables
-    # opt3's 85 % in 25 min: on Muon's curve between 16 min (84.5 %) and 18 min (86.5 %)
-    assert "- Muon reaches opt3's `--epochs 5` accuracy (85.0 % in 25.0 min) at 16.5 min (interpolated): 66% of " \
-           "opt3's time." in tables
+    # opt4's 85 % in 25 min: on Muon's curve between 16 min (84.5 %) and 18 min (86.5 %)
+    assert "- Muon reaches opt4's `--epochs 5` accuracy (85.0 % in 25.0 min) at 16.5 min (interpolated): 66% of " \
+           "opt4's time." in tables
     # ms per step at each size from each optimizer's longest run; the update's FLOPs counted by torch
     assert "16x16: 128 and 160 ms (Muon's update 20% of its step); 24x24: 192 and 240 ms" in tables
     flops = re.findall(r"Muon's update with (\d) Newton-Schulz steps: ([\d.]+) GFLOP per step", tables)
@@ -2213,16 +2213,16 @@ def test_plot_tables_each_cpus_muon_runs_with_the_seeds_means_at_equal_time(tabl
         tables.index("Other CPU with AVX-512 BF16, 2 threads (CPU), Muon with 3 Newton-Schulz steps:")
     assert first < second
     other_cpu = tables[second:]
-    assert "| `opt4.py` | `--epochs 4 --seed 2` | 16, 16, 24, 32 | 85.0 | 13.0 | 65% |" in other_cpu  # of its opt3's
+    assert "| `opt5.py` | `--epochs 4 --seed 2` | 16, 16, 24, 32 | 85.0 | 13.0 | 65% |" in other_cpu  # of its opt4's
     assert "- Muon at `--epochs 4`, seeds 0, 1, 2: 85.30, 85.60, 85.00 % (mean 85.30, spread 0.60 points), " \
            "12.5 min on average." in other_cpu
     assert "- AdamW at `--epochs 5`, seeds 0, 1, 2: 83.50, 83.80, 83.20 % (mean 83.50, spread 0.60 points), " \
            "12.9 min on average." in other_cpu
     assert "- Muon at `--epochs 4` against AdamW at `--epochs 5`, the nearest in time, seed means: +1.80 points in " \
            "97% of AdamW's time." in other_cpu
-    # Muon's seed-0 run is past opt3's accuracy in 60 % of its time: a run, not a point between two
-    assert "- Muon reaches opt3's `--epochs 5` accuracy (85.0 % in 20.0 min) at 12.0 min (its `--epochs 4` run): 60% " \
-           "of opt3's time." in other_cpu
+    # Muon's seed-0 run is past opt4's accuracy in 60 % of its time: a run, not a point between two
+    assert "- Muon reaches opt4's `--epochs 5` accuracy (85.0 % in 20.0 min) at 12.0 min (its `--epochs 4` run): 60% " \
+           "of opt4's time." in other_cpu
 
 
 def test_plot_without_matplotlib_says_how_to_install_it(tmp_path):
@@ -2257,9 +2257,9 @@ def test_readme_chain_table_is_the_gpus_rows_and_says_whose_code_changed_since()
     readme, table = (ROOT / "README.md").read_text(), readme_chain_table()
     gpu = plot.gpu_runs([ROOT / path for path in plot.GPU_RUNS])
     rows = {row["name"]: row for row in benchmark.chain_rows(gpu)}
-    commit, baseline = gpu["opt3.py"][0]["commit"], rows["baseline.py"]["images_per_second"]["all"]
+    commit, baseline = gpu["opt4.py"][0]["commit"], rows["baseline.py"]["images_per_second"]["all"]
     assert f"| H200, {commit}: images/s |" in readme and f"ran the chain at commit {commit}" in " ".join(readme.split())
-    assert list(table) == ["baseline.py", "opt1.py", "opt2.py", "opt3.py", "opt4.py", "opt5.py"]
+    assert list(table) == ["baseline.py", "opt1.py", "opt2.py", "opt4.py", "opt5.py", "opt6.py"]
     for script, row in rows.items():
         speed, speedup, accuracy, launch_to_result = table[script][2:6]
         assert speed == benchmark.per_size(row["images_per_second"], ",.0f"), script
@@ -2275,10 +2275,10 @@ def test_readme_chain_table_is_the_gpus_rows_and_says_whose_code_changed_since()
     launch_to_result = {script: row["launch_to_result_seconds"] for script, row in rows.items()}
     for bought in (f"H200: with compile {speed['opt1.py'] / speed['baseline.py']:.2f}x",
                    f"{accuracy['opt1.py']:.2f} % -> {accuracy['opt2.py']:.2f} % after 5 epochs (H200)",
-                   f"{speed['opt3.py'] / speed['opt2.py']:.1f}x opt2's images/s (H200, at {commit})",
-                   f"+{accuracy['opt4.py'] - accuracy['opt3.py']:.1f} points for "
-                   f"{100 * (launch_to_result['opt4.py'] / launch_to_result['opt3.py'] - 1):.0f} % more time than opt3",
-                   f"{rows['opt3.py']['ms_per_step']['all']:.1f} ms a step at batch 128"):
+                   f"{speed['opt4.py'] / speed['opt2.py']:.1f}x opt2's images/s (H200, at {commit})",
+                   f"+{accuracy['opt5.py'] - accuracy['opt4.py']:.1f} points for "
+                   f"{100 * (launch_to_result['opt5.py'] / launch_to_result['opt4.py'] - 1):.0f} % more time than opt4",
+                   f"{rows['opt4.py']['ms_per_step']['all']:.1f} ms a step at batch 128"):
         assert bought in readme, bought
     changed = plot.changed_since(commit, list(table))
     if changed is None:
@@ -2298,11 +2298,11 @@ def test_readme_cpu_figures_are_the_measured_data():
     for bought in (f"CPU with a bfloat16 unit: {bf16['opt1 eager'] / bf16['baseline']:.2f}x images/s",
                    f"{bf16['opt1'] / bf16['opt1 eager']:.2f}x (CPU with bfloat16), "
                    f"{float32['opt1'] / float32['opt1 eager']:.2f}x (CPU without)",
-                   f"none on a CPU ({bf16['opt3'] / bf16['opt2, 0 workers']:.2f}x, "
-                   f"{float32['opt3'] / float32['opt2, 0 workers']:.2f}x)"):
+                   f"none on a CPU ({bf16['opt4'] / bf16['opt2, 0 workers']:.2f}x, "
+                   f"{float32['opt4'] / float32['opt2, 0 workers']:.2f}x)"):
         assert bought in readme, bought
     curve = plot.convergence_runs(json_lines("curve.jsonl"))
-    ahead = re.search(r"so opt4 is ([+-][\d.]+) points ahead", plot.curve_summary(curve)[0]).group(1)
+    ahead = re.search(r"so opt5 is ([+-][\d.]+) points ahead", plot.curve_summary(curve)[0]).group(1)
     assert f"{ahead} points at equal time (CPU runs, AdamW)" in readme
     muon = plot.convergence_runs(json_lines("muon-xeon-amx.jsonl"))
     at_equal_time = re.search(r"Muon at `--epochs \d` against AdamW at `--epochs \d`, the nearest in time, seed "
@@ -2322,10 +2322,10 @@ def test_readme_cpu_figures_are_the_measured_data():
            f"{no_resizing[0]['modelled_h200_seconds']:.2f} for {100 * no_resizing[0]['2_views'] - mean:.2f} points " \
            "less (CPU, one seed)" in readme
     data_parallel = json_lines("data-parallel.jsonl")[-1]
-    assert data_parallel["script"] == "opt5.py" and data_parallel["world_size"] == 2
+    assert data_parallel["script"] == "opt6.py" and data_parallel["world_size"] == 2
     assert f"{100 * data_parallel['final_test_accuracy']:.1f} % (CPU, AdamW)" in readme
     assert f"2 CPU processes: {100 * data_parallel['final_test_accuracy']:.1f} %, AdamW" in \
-        readme_chain_table()["opt5.py"][-1]
+        readme_chain_table()["opt6.py"][-1]
     for name in ("muon.jsonl", "muon-xeon-amx.jsonl"):  # what each CPU's runs say is on the results page
         for line in plot.optimizer_summary(plot.convergence_runs(json_lines(name))):
             assert line in (ROOT / "results/README.md").read_text(), line
@@ -2351,7 +2351,7 @@ def test_results_page_tables_are_plots_from_the_data():
     curve, seeds = plot.convergence_runs(json_lines("curve.jsonl")), plot.convergence_runs(json_lines("seeds.jsonl"))
     ablation_rows = plot.ablation_rows(json_lines("ablation.jsonl"))
     tables = plot.markdown_tables(list(runs.values()), ladder, convergence, curve, seeds, ablation_rows).split("\n\n")
-    assert {run["script"] for run in convergence} == {run["script"] for run in curve} == {"opt3.py", "opt4.py"}
+    assert {run["script"] for run in convergence} == {run["script"] for run in curve} == {"opt4.py", "opt5.py"}
     assert [row["row"] for row in ablation_rows] == ablation.ROW_NAMES[:9], "ablation.py's rows of then, in order"
     for line in "\n".join(tables[2:]).splitlines():
         assert line in results_page, line
@@ -2359,9 +2359,9 @@ def test_results_page_tables_are_plots_from_the_data():
     for name in ("muon.jsonl", "muon-xeon-amx.jsonl"):
         muon = plot.convergence_runs(json_lines(name))
         others += muon
-        for line in plot.timed_runs_table(muon, plot.opt3_default_minutes(muon)):
+        for line in plot.timed_runs_table(muon, plot.opt4_default_minutes(muon)):
             assert line in results_page, line
-    # the recipe's curve (after opt3's reference run) and its ablation
+    # the recipe's curve (after opt4's reference run) and its ablation
     recipe = json_lines("recipe.jsonl")
     for line in [*plot.recipe_curve(recipe, others), *plot.recipe_ablation(recipe)]:
         assert line in results_page, line
@@ -2383,18 +2383,18 @@ def test_the_setup_table_names_tests_that_exist_for_every_row():
                 assert any(name in test for test in tests), f"no test matches {name!r} ({cells[0]!r})"
 
 
-# ------------------------------------------------------------------------- opt5: DDP under torchrun
+# ------------------------------------------------------------------------- opt6: DDP under torchrun
 
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]  # for run_script
 DDP_ARGS = [*SMALL, "--epochs", "2", "--batch-size", "16", "--no-compile"]
 
 
-# In a rank's process: opt5.evaluate wrapped to hash the bytes of every parameter and buffer of the model just
+# In a rank's process: opt6.evaluate wrapped to hash the bytes of every parameter and buffer of the model just
 # evaluated (a hash, not the model: DDP's wrapper must not outlive the process group), and the last hash printed
-# on stderr after opt5.main(). The ranks are in step when their hashes are equal.
+# on stderr after opt6.main(). The ranks are in step when their hashes are equal.
 WEIGHTS_CHECKSUM = """
 import hashlib
-checksums, real_evaluate = [], opt5.evaluate
+checksums, real_evaluate = [], opt6.evaluate
 
 
 def evaluate(run, *args):
@@ -2406,7 +2406,7 @@ def evaluate(run, *args):
     return result
 
 
-opt5.evaluate = evaluate
+opt6.evaluate = evaluate
 """
 PRINT_WEIGHTS_CHECKSUM = """
 print(f"rank {{os.environ.get('RANK', 0)}}: weights checksum {{checksums[-1]}}", file=sys.stderr)
@@ -2416,10 +2416,10 @@ CHECKSUM_RANK = """
 import os, sys
 sys.path.insert(0, {root!r})
 import torch
-import opt5
+import opt6
 """ + WEIGHTS_CHECKSUM + """
-sys.argv[0] = "opt5.py"
-opt5.main()
+sys.argv[0] = "opt6.py"
+opt6.main()
 """ + PRINT_WEIGHTS_CHECKSUM
 
 
@@ -2429,7 +2429,7 @@ def checksums(stderr):
 
 
 @pytest.mark.floor
-def test_opt5_two_processes_learn_print_once_and_end_with_identical_weights(tmp_path):
+def test_opt6_two_processes_learn_print_once_and_end_with_identical_weights(tmp_path):
     json_path, weights, wrapper = tmp_path / "result.json", tmp_path / "weights.pt", tmp_path / "checksum_rank.py"
     wrapper.write_text(CHECKSUM_RANK.format(root=str(ROOT)))
     result = run_script(*TORCHRUN, wrapper, *DDP_ARGS, "--train-size", 1024, "--json", json_path, "--save", weights)
@@ -2446,7 +2446,7 @@ def test_opt5_two_processes_learn_print_once_and_end_with_identical_weights(tmp_
     steps, lr = 2 * 1024 // 32, report["settings"]["lr"]
     assert report["final_lr"] == pytest.approx(onecycle_lr_after(steps, lr * 2**0.5, steps=steps - 1), rel=1e-6)
     assert report["final_lr"] != pytest.approx(onecycle_lr_after(steps, lr, steps=steps - 1))
-    assert_saved_weights_match_the_report(weights, report, opt5, transform=None)
+    assert_saved_weights_match_the_report(weights, report, opt6, transform=None)
 
 
 def run_to_the_end(*args, timeout):
@@ -2497,16 +2497,16 @@ def test_a_rank_that_hangs_fails_its_test_in_time_and_is_killed(tmp_path):
 
 @pytest.mark.floor
 @pytest.mark.skipif(harness.torch_version() >= (2, 8), reason="the hang at exit was seen on torch 2.6 only")
-def test_opt5_compiled_ends(tmp_path):
+def test_opt6_compiled_ends(tmp_path):
     # Each rank used to destroy its process group as soon as it was done: rank 1 at once, rank 0 after its report.
     # On torch 2.6, compiled, rank 0 then hung in Gloo's destructor in 2 of 6 runs, and torchrun waited for ever.
     # A barrier before it narrowed that, not closed it: once since, in CI, a rank's main thread, holding the GIL,
     # freed the process group and joined a Gloo worker thread that was waiting for the GIL to free a tensor of an
     # earlier all-reduce (gdb's stacks). The cause, and the test that keeps it fixed every time:
-    # test_opt5_keeps_its_last_barriers_handle_until_its_process_group_is_destroyed. Here one compiled run, end to end,
+    # test_opt6_keeps_its_last_barriers_handle_until_its_process_group_is_destroyed. Here one compiled run, end to end,
     # at one image size and with AdamW: the fewest graphs a compiled rank makes (Muon's and a second size's take minutes
     # more to compile on torch 2.6 on 2 cores)
-    result = run_to_the_end(*TORCHRUN, "opt5.py", *SMALL, "--epochs", 2, "--train-size", 256, "--batch-size", 16,
+    result = run_to_the_end(*TORCHRUN, "opt6.py", *SMALL, "--epochs", 2, "--train-size", 256, "--batch-size", 16,
                             "--optimizer", "adamw", "--min-size", 32, "--compile", timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("done:") == 1
@@ -2515,31 +2515,31 @@ def test_opt5_compiled_ends(tmp_path):
 @pytest.mark.parametrize("env, missing", [({"WORLD_SIZE": "2"}, "RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT"),
                                           ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "localhost",
                                             "MASTER_PORT": "29500"}, "LOCAL_RANK")])
-def test_opt5_started_without_torchrun_but_some_of_its_variables_exits_2_with_one_line(env, missing):
+def test_opt6_started_without_torchrun_but_some_of_its_variables_exits_2_with_one_line(env, missing):
     # srun sets no LOCAL_RANK; a hand-set WORLD_SIZE alone is not a job either.
     # A run that missed the check would train (or wait for a rank 1 that never comes): cut it short.
-    result = run_script("opt5.py", *DDP_ARGS, "--train-size", 256, env=env, timeout=60)
+    result = run_script("opt6.py", *DDP_ARGS, "--train-size", 256, env=env, timeout=60)
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
-    assert f"set but not {missing}: start opt5.py with torchrun" in result.stderr
+    assert f"set but not {missing}: start opt6.py with torchrun" in result.stderr
 
 
-def test_opt5_without_torchrun_on_several_gpus_points_to_torchrun(monkeypatch, capsys):
+def test_opt6_without_torchrun_on_several_gpus_points_to_torchrun(monkeypatch, capsys):
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    assert opt5.setup_distributed(CPU) == (0, 1, CPU) and capsys.readouterr().out == ""
+    assert opt6.setup_distributed(CPU) == (0, 1, CPU) and capsys.readouterr().out == ""
     cuda = torch.device("cuda")
-    assert opt5.setup_distributed(cuda) == (0, 1, cuda)
+    assert opt6.setup_distributed(cuda) == (0, 1, cuda)
     assert capsys.readouterr().out == ("4 GPUs here, and one process uses one: to use them all, start torchrun "
-                                       "--standalone --nproc_per_node=4 opt5.py ...\n")
+                                       "--standalone --nproc_per_node=4 opt6.py ...\n")
 
 
-def test_opt5_a_local_rank_past_the_visible_gpus_exits_2_with_one_line():
+def test_opt6_a_local_rank_past_the_visible_gpus_exits_2_with_one_line():
     # Slurm's one task per GPU: every process sees one GPU, and torchrun's second process has LOCAL_RANK 1
     env = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9"}
     patches = VISIBLE_GPU.format(count=1, capability=90, name="NVIDIA H100 80GB HBM3")
-    result = run_on_fake_machine(patches, "opt5.py", *NO_DATA, "--no-compile", env=env)
+    result = run_on_fake_machine(patches, "opt6.py", *NO_DATA, "--no-compile", env=env)
     assert_one_error_line(result, "LOCAL_RANK is 1, but this process sees 1 GPU(s): start at most 1 per machine "
                                   "(--nproc_per_node=1)")
 
@@ -2578,12 +2578,12 @@ RecordCudaCalls().__enter__()
 """
 
 
-def test_opt5_each_rank_sets_its_own_gpu_before_any_cuda_work_the_compiler_check_included():
+def test_opt6_each_rank_sets_its_own_gpu_before_any_cuda_work_the_compiler_check_included():
     # torchrun's second process on a machine with 2 GPUs: everything it does on a GPU must be on GPU 1. Before it, the
     # architecture check reads each GPU's capability (a property, no work on it)
     env = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9"}
     patches = VISIBLE_GPU.format(count=2, capability=90, name="NVIDIA H100 80GB HBM3") + RECORD_CUDA_CALLS
-    result = run_on_fake_machine(patches, "opt5.py", *NO_DATA, "--compile", env=env)
+    result = run_on_fake_machine(patches, "opt6.py", *NO_DATA, "--compile", env=env)
     assert result.returncode == 0, result.stderr
     calls = json.loads(result.stderr.strip().splitlines()[-1])
     assert calls == [["get_device_capability", 0], ["get_device_capability", 1], ["set_device", 1],
@@ -2603,18 +2603,18 @@ def test_under_torchrun_only_rank_0_prints_a_verdict_and_a_fatal_one_ends_every_
 
 
 @pytest.mark.parametrize("world_size, captured", [(1, True), (2, False)])
-def test_opt5_captures_its_step_on_one_gpu_and_says_why_not_under_ddp(world_size, captured):
-    optimizer = shipped_optimizer("opt5.py", small_net())
-    why_not = opt5.capture_problem(torch.device("cuda", 0), torch.bfloat16, optimizer, world_size)
+def test_opt6_captures_its_step_on_one_gpu_and_says_why_not_under_ddp(world_size, captured):
+    optimizer = shipped_optimizer("opt6.py", small_net())
+    why_not = opt6.capture_problem(torch.device("cuda", 0), torch.bfloat16, optimizer, world_size)
     assert (why_not is None) == captured and (captured or "DDP" in why_not)
-    assert "CUDA" in opt5.capture_problem(CPU, torch.bfloat16, optimizer, 1)
+    assert "CUDA" in opt6.capture_problem(CPU, torch.bfloat16, optimizer, 1)
 
 
 @pytest.mark.parametrize("script", WHOLE_STEP)
 def test_a_gpu_captures_the_step_uncompiled_and_a_cpu_runs_it_uncompiled(script, monkeypatch):
     # The path each device gets: --compile is off by default everywhere (on a 2-core CPU it saved nothing a step, for
     # 43 s: results/compile_cpu.log), and capture_problem decides the capture
-    module, ranks = ALL_SCRIPTS[script], [1] if script == "opt5.py" else []
+    module, ranks = ALL_SCRIPTS[script], [1] if script == "opt6.py" else []
     optimizer = shipped_optimizer(script, small_net())
     assert module.capture_problem(torch.device("cuda", 0), torch.bfloat16, optimizer, *ranks) is None
     assert module.capture_problem(CPU, CPU_AMP_DTYPE, optimizer, *ranks) == "not captured: CUDA graphs are CUDA's"
@@ -2625,7 +2625,7 @@ def test_a_gpu_captures_the_step_uncompiled_and_a_cpu_runs_it_uncompiled(script,
 def test_ddp_buffer_flag_is_named_as_this_torch_names_it(monkeypatch):
     flag = harness.no_buffer_broadcast()
     assert list(flag.values()) == [False]
-    assert set(flag) <= set(inspect.signature(opt5.DistributedDataParallel).parameters)
+    assert set(flag) <= set(inspect.signature(opt6.DistributedDataParallel).parameters)
 
     def ddp_before_2_13(module, device_ids=None, broadcast_buffers=True, gradient_as_bucket_view=False):
         pass
@@ -2641,7 +2641,7 @@ def free_port():
 
 
 def run_two_nodes(script, processes_per_node, *args, timeout=300):
-    """Two torchrun 'nodes' on this machine, as opt5's docstring starts them; returns both CompletedProcesses."""
+    """Two torchrun 'nodes' on this machine, as opt6's docstring starts them; returns both CompletedProcesses."""
     port, env = free_port(), {**os.environ, **NO_NETWORK}
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
                                f"--nproc_per_node={processes_per_node}", f"--rdzv-endpoint=127.0.0.1:{port}",
@@ -2655,10 +2655,10 @@ DATA_TURN = """
 import json, os, sys, time
 sys.path.insert(0, {root!r})
 import torch.distributed as dist
-import opt5
+import opt6
 
 dist.init_process_group("gloo")
-with opt5.rank_zero_first(dist.get_world_size()):
+with opt6.rank_zero_first(dist.get_world_size()):
     start = time.time()
     time.sleep(0.5)  # a download
     end = time.time()
@@ -2668,7 +2668,7 @@ dist.destroy_process_group()
 """
 
 
-def test_opt5_data_on_two_nodes_rank_0_first_then_the_other_nodes_first_process_then_the_rest(tmp_path):
+def test_opt6_data_on_two_nodes_rank_0_first_then_the_other_nodes_first_process_then_the_rest(tmp_path):
     script = tmp_path / "data_turn.py"
     script.write_text(DATA_TURN.format(root=str(ROOT), out=str(tmp_path / "rank")))
     for node in run_two_nodes(script, processes_per_node=2):
@@ -2680,7 +2680,7 @@ def test_opt5_data_on_two_nodes_rank_0_first_then_the_other_nodes_first_process_
     assert end_2 <= min(start_1, start_3), "a process read the data before its node's first process had it"
 
 
-def test_opt5_two_nodes_on_one_machine_finish_with_identical_weights_and_one_report(tmp_path):
+def test_opt6_two_nodes_on_one_machine_finish_with_identical_weights_and_one_report(tmp_path):
     json_path, wrapper = tmp_path / "result.json", tmp_path / "checksum_rank.py"
     wrapper.write_text(CHECKSUM_RANK.format(root=str(ROOT)))
     nodes = run_two_nodes(wrapper, 1, *DDP_ARGS, "--train-size", 256, "--test-size", 64, "--json", json_path)
@@ -2693,13 +2693,13 @@ def test_opt5_two_nodes_on_one_machine_finish_with_identical_weights_and_one_rep
     assert report["world_size"] == 2 and report["epochs"][0]["images"] == 256, "one report of both nodes' images"
 
 
-def test_opt5_rank_shares_are_disjoint_and_cover_the_epoch():
+def test_opt6_rank_shares_are_disjoint_and_cover_the_epoch():
     def share(rank):
         args = SimpleNamespace(batch_size=8, accum_steps=1)
-        run = SimpleNamespace(args=args, device=CPU, rank=rank, world_size=2, plan=opt5.empty_plan(6, args, CPU),
+        run = SimpleNamespace(args=args, device=CPU, rank=rank, world_size=2, plan=opt6.empty_plan(6, args, CPU),
                               generator=torch.Generator().manual_seed(0),  # every rank seeds alike
                               augment_generator=torch.Generator().manual_seed(rank), schedule=torch.zeros(6))
-        opt5.draw_epoch(run, 100, 1)
+        opt6.draw_epoch(run, 100, 1)
         return run.plan
 
     first, second = share(0), share(1)
@@ -2713,7 +2713,7 @@ INSTRUMENTED_RANK = """
 import contextlib, hashlib, json, os, sys, time
 sys.path.insert(0, {root!r})
 import torch, torch.distributed as dist, torch.nn as nn
-import common, opt5
+import common, opt6
 
 rank, out = os.environ["RANK"], sys.argv.pop(1)
 record = {{"shares": [], "allreduce_at_micro_batch": [], "load": None, "evaluated": [], "exit": []}}
@@ -2731,10 +2731,10 @@ class BatchNormFreeNet(nn.Sequential):  # float32 and no BatchNorm: accumulation
 
 common.ResNet10 = BatchNormFreeNet
 torch.autocast = lambda *args, **kwargs: contextlib.nullcontext()
-opt5.augment = lambda images, offsets, flips: images  # crops differ per micro-batch: leave images as they are
+opt6.augment = lambda images, offsets, flips: images  # crops differ per micro-batch: leave images as they are
 
-real_draw_epoch, real_load_data, RealDDP = opt5.draw_epoch, common.load_data, opt5.DistributedDataParallel
-real_normalize = opt5.normalize
+real_draw_epoch, real_load_data, RealDDP = opt6.draw_epoch, common.load_data, opt6.DistributedDataParallel
+real_normalize = opt6.normalize
 
 
 def draw_epoch(run, *args):
@@ -2797,14 +2797,14 @@ def destroy_process_group(*args, **kwargs):
     real_destroy_process_group(*args, **kwargs)
 
 
-opt5.draw_epoch, common.load_data, opt5.DistributedDataParallel = draw_epoch, load_data, counting_ddp
-opt5.normalize = normalize
+opt6.draw_epoch, common.load_data, opt6.DistributedDataParallel = draw_epoch, load_data, counting_ddp
+opt6.normalize = normalize
 real_barrier, real_destroy_process_group = dist.barrier, dist.destroy_process_group
 dist.barrier, dist.destroy_process_group = barrier, destroy_process_group
 """ + WEIGHTS_CHECKSUM + """
-sys.argv[0] = "opt5.py"
+sys.argv[0] = "opt6.py"
 try:
-    opt5.main()
+    opt6.main()
 finally:
     with open(out + ".rank" + rank + ".json", "w") as file:
         json.dump(record, file)
@@ -2818,7 +2818,7 @@ def image_hash(image):
 
 @pytest.fixture(scope="module")
 def accumulating_ddp_runs(tmp_path_factory):
-    """opt5 under torchrun on 2 CPU processes, instrumented: a batch of 12, and 3 accumulated micro-batches of 4."""
+    """opt6 under torchrun on 2 CPU processes, instrumented: a batch of 12, and 3 accumulated micro-batches of 4."""
     folder = tmp_path_factory.mktemp("ddp")
     wrapper = folder / "instrumented_rank.py"
     wrapper.write_text(INSTRUMENTED_RANK.format(root=str(ROOT)))
@@ -2836,7 +2836,7 @@ def accumulating_ddp_runs(tmp_path_factory):
     return runs
 
 
-def test_opt5_accumulating_under_ddp_equals_one_big_batch(accumulating_ddp_runs):
+def test_opt6_accumulating_under_ddp_equals_one_big_batch(accumulating_ddp_runs):
     big_batch, accumulated = accumulating_ddp_runs[1], accumulating_ddp_runs[3]
     for run in (big_batch, accumulated):
         first, second = checksums(run.result.stderr)
@@ -2847,7 +2847,7 @@ def test_opt5_accumulating_under_ddp_equals_one_big_batch(accumulating_ddp_runs)
     assert not torch.allclose(big_batch.weights["0.weight"], bn_free_net()[0].weight.detach(), atol=1e-4)
 
 
-def test_opt5_all_reduces_once_per_optimizer_step_not_per_micro_batch(accumulating_ddp_runs):
+def test_opt6_all_reduces_once_per_optimizer_step_not_per_micro_batch(accumulating_ddp_runs):
     for accum_steps, run in accumulating_ddp_runs.items():
         for rank in run.ranks:
             # DDP builds its buckets anew after the first step, so count from step 2 on.
@@ -2858,15 +2858,15 @@ def test_opt5_all_reduces_once_per_optimizer_step_not_per_micro_batch(accumulati
             assert len(set(per_step.values())) == 1, "the same buckets every step"
 
 
-def test_opt5_ranks_train_on_disjoint_shares_that_cover_the_epoch(accumulating_ddp_runs):
+def test_opt6_ranks_train_on_disjoint_shares_that_cover_the_epoch(accumulating_ddp_runs):
     for run in accumulating_ddp_runs.values():
         first, second = (rank["shares"][0] for rank in run.ranks)
         assert len(first) == len(second) == 60 and not set(first) & set(second)
         assert set(first) | set(second) == set(range(120))
 
 
-def test_opt5_ranks_evaluate_disjoint_slices_that_cover_the_test_set_and_score_as_one_process(accumulating_ddp_runs):
-    test_data = opt3.load_to_device(common.synthetic_cifar10(16, train=False, transform=None), CPU)
+def test_opt6_ranks_evaluate_disjoint_slices_that_cover_the_test_set_and_score_as_one_process(accumulating_ddp_runs):
+    test_data = opt4.load_to_device(common.synthetic_cifar10(16, train=False, transform=None), CPU)
     every_test_image = sorted(image_hash(image) for image in test_data[0])
     assert len(set(every_test_image)) == 16, "the test must be able to tell the images apart"
     for run in accumulating_ddp_runs.values():
@@ -2876,14 +2876,14 @@ def test_opt5_ranks_evaluate_disjoint_slices_that_cover_the_test_set_and_score_a
         # The report's figures are the whole test set's: one process scoring the saved weights gets the same.
         model = bn_free_net()
         model.load_state_dict(run.weights)
-        loss, accuracy = call(opt5.evaluate, model=model, test_data=test_data, amp_dtype=torch.float32, batch_size=4,
+        loss, accuracy = call(opt6.evaluate, model=model, test_data=test_data, amp_dtype=torch.float32, batch_size=4,
                               device=CPU, size=32, rank=0, world_size=1)
         assert loss == pytest.approx(run.report["epochs"][-1]["test_loss"], rel=1e-5)
         assert accuracy == pytest.approx(run.report["final_test_accuracy"], abs=1e-9)
 
 
-def test_opt5_keeps_its_last_barriers_handle_until_its_process_group_is_destroyed(accumulating_ddp_runs):
-    # The hang opt5's main comments on, made to happen every time (torch 2.6, Gloo, 2 ranks, not project code): a
+def test_opt6_keeps_its_last_barriers_handle_until_its_process_group_is_destroyed(accumulating_ddp_runs):
+    # The hang opt6's main comments on, made to happen every time (torch 2.6, Gloo, 2 ranks, not project code): a
     # rank starts an all-reduce, drops its tensor, starts a barrier and drops the barrier's handle, then destroys the
     # process group: 5 hangs in 5 runs, gdb showing the main thread in ~ProcessGroupGloo joining a worker thread
     # that waits for the GIL in ~TensorImpl; with the handle kept past destroy_process_group, 4 ends in 4
@@ -2891,7 +2891,7 @@ def test_opt5_keeps_its_last_barriers_handle_until_its_process_group_is_destroye
         assert rank["exit"][-2:] == ["process group destroyed", "barrier handle freed"], rank["exit"]
 
 
-def test_opt5_the_first_rank_on_a_machine_loads_the_data_before_the_others(accumulating_ddp_runs):
+def test_opt6_the_first_rank_on_a_machine_loads_the_data_before_the_others(accumulating_ddp_runs):
     for run in accumulating_ddp_runs.values():
         (_, first_done), (second_start, _) = (rank["load"] for rank in run.ranks)
         assert second_start >= first_done, "rank 1 read the data before rank 0 had it"
@@ -2899,22 +2899,22 @@ def test_opt5_the_first_rank_on_a_machine_loads_the_data_before_the_others(accum
 FAILING_RANK = """
 import os, sys
 sys.path.insert(0, {root!r})
-import opt5
+import opt6
 
 if os.environ["RANK"] == "1":  # rank 1 dies in its third step while rank 0 waits in an all-reduce
-    calls, real_augment = [], opt5.augment
+    calls, real_augment = [], opt6.augment
     def augment(images, offsets, flips):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("injected failure on rank 1")
         return real_augment(images, offsets, flips)
-    opt5.augment = augment
-sys.argv[0] = "opt5.py"
-opt5.main()
+    opt6.augment = augment
+sys.argv[0] = "opt6.py"
+opt6.main()
 """
 
 
-def test_opt5_a_failing_rank_ends_the_whole_job_with_its_message(tmp_path):
+def test_opt6_a_failing_rank_ends_the_whole_job_with_its_message(tmp_path):
     wrapper = tmp_path / "fail_on_rank_1.py"
     wrapper.write_text(FAILING_RANK.format(root=str(ROOT)))
     start = time.monotonic()
@@ -2963,8 +2963,8 @@ def test_cuda_opt2_loader_pins_memory(monkeypatch):
 
 
 @cuda_test
-def test_cuda_opt3_captures_its_step_and_never_syncs_after_warm_up(monkeypatch, capsys):
-    real_train_one_epoch, syncs = opt3.train_one_epoch, []
+def test_cuda_opt4_captures_its_step_and_never_syncs_after_warm_up(monkeypatch, capsys):
+    real_train_one_epoch, syncs = opt4.train_one_epoch, []
 
     def train_one_epoch(*args):
         if args[-2] == 1:  # epoch 1: the warm-up, cuDNN's autotuning and the capture happen here
@@ -2979,16 +2979,16 @@ def test_cuda_opt3_captures_its_step_and_never_syncs_after_warm_up(monkeypatch, 
         syncs.extend(str(warning.message) for warning in caught if "synchroniz" in str(warning.message))
         return result
 
-    monkeypatch.setattr(opt3, "train_one_epoch", train_one_epoch)
-    monkeypatch.setattr(sys, "argv", ["opt3.py", *GPU_ARGS])
-    opt3.main()
+    monkeypatch.setattr(opt4, "train_one_epoch", train_one_epoch)
+    monkeypatch.setattr(sys, "argv", ["opt4.py", *GPU_ARGS])
+    opt4.main()
     assert "step: captured as a CUDA graph and replayed" in capsys.readouterr().out.splitlines()
     # losses.tolist(), losses.mean().item() and correct.item(): the fixed reads at the end of the epoch
     assert len(syncs) == 3, syncs
 
 
 @cuda_test
-@pytest.mark.parametrize("script", ["opt3.py", "opt4.py"])
+@pytest.mark.parametrize("script", ["opt4.py", "opt5.py"])
 def test_cuda_the_captured_step_replays_what_the_step_computes(script, monkeypatch):
     # The same 2 epochs twice, float32, uncompiled as a GPU runs them by default: the step called as itself, and
     # captured after 3 steps and replayed. cuDNN deterministic and not autotuned: the in-process main() of another test
@@ -3002,7 +3002,7 @@ def test_cuda_the_captured_step_replays_what_the_step_computes(script, monkeypat
         model = small_net().to(gpu)
         run, step = step_of(script, model, dataset, gpu)
         if captured:
-            step = opt3.cuda_graph(step)
+            step = opt4.cuda_graph(step)
         addresses = [tensor.data_ptr() for tensor in [*model.parameters(), *vars(run.plan).values()]]
         for epoch in (1, 2):
             ALL_SCRIPTS[script].draw_epoch(run, 256, epoch)
@@ -3018,7 +3018,7 @@ def test_cuda_the_captured_step_replays_what_the_step_computes(script, monkeypat
 
 
 @cuda_test
-@pytest.mark.parametrize("script", ["opt3.py", "opt4.py"])
+@pytest.mark.parametrize("script", ["opt4.py", "opt5.py"])
 def test_cuda_the_uncompiled_step_is_captured_and_replayed_with_syncs_forbidden(script):
     # After its warm-up, the step as main() builds it (fused AdamW, or Muon with it; no compiler) captures and replays
     # with any host sync an error: the proof, on a GPU, of what the CPU tests count
@@ -3026,7 +3026,7 @@ def test_cuda_the_uncompiled_step_is_captured_and_replayed_with_syncs_forbidden(
     run, step = step_of(script, common.ResNet10().to(gpu, memory_format=torch.channels_last),
                         common.synthetic_cifar10(256, train=True, transform=None), gpu)
     ALL_SCRIPTS[script].draw_epoch(run, 256, 1)
-    step = opt3.cuda_graph(step)
+    step = opt4.cuda_graph(step)
     for _ in range(3):
         step()  # warm-up, on a side stream
     torch.cuda.set_sync_debug_mode("error")
@@ -3041,7 +3041,7 @@ def test_cuda_the_uncompiled_step_is_captured_and_replayed_with_syncs_forbidden(
 @cuda_test
 def test_cuda_counting_the_update_of_a_captured_steps_optimizer_leaves_the_run_untouched():
     weight = torch.zeros(8, 8, device="cuda", requires_grad=True)
-    optimizer = opt3.adamw([weight], 0.01, torch.device("cuda"))
+    optimizer = opt4.adamw([weight], 0.01, torch.device("cuda"))
     assert harness.update_flops(optimizer) == 0  # AdamW's update: elementwise ops, no matmul
     assert weight.grad is None and not optimizer.state  # the run's optimizer and weights untouched
 
@@ -3049,14 +3049,14 @@ def test_cuda_counting_the_update_of_a_captured_steps_optimizer_leaves_the_run_u
 @cuda_test
 def test_cuda_a_run_prints_no_warning_of_its_capturable_optimizer_stepping_uncaptured(tmp_path):
     # torch warns once when a capturable optimizer steps uncaptured: the warm-up steps, update_flops' copy (H200 logs)
-    result = run_script("opt3.py", *GPU_ARGS)
+    result = run_script("opt4.py", *GPU_ARGS)
     assert result.returncode == 0 and "capturable" not in result.stderr, result.stderr
 
 
 @cuda_test
-def test_cuda_opt3_accumulates_under_cuda_graphs(tmp_path):
+def test_cuda_opt4_accumulates_under_cuda_graphs(tmp_path):
     json_path = tmp_path / "result.json"
-    result = run_script("opt3.py", *GPU_ARGS, "--accum-steps", 2, "--json", json_path)
+    result = run_script("opt4.py", *GPU_ARGS, "--accum-steps", 2, "--json", json_path)
     assert result.returncode == 0, result.stderr  # torch's "gradient ... overwritten" error would end it here
     report = read_json(json_path)
     assert report["settings"]["accum_steps"] == 2 and report["final_test_accuracy"] > 0.5
@@ -3065,12 +3065,12 @@ def test_cuda_opt3_accumulates_under_cuda_graphs(tmp_path):
 @cuda_test
 def test_cuda_float16_with_grad_scaler_on_a_card_without_bfloat16(monkeypatch, tmp_path, capsys):
     chosen = []
-    real_autocast_dtype = opt3.autocast_dtype
+    real_autocast_dtype = opt4.autocast_dtype
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
-    monkeypatch.setattr(opt3, "autocast_dtype", lambda device: chosen.append(real_autocast_dtype(device)) or chosen[-1])
+    monkeypatch.setattr(opt4, "autocast_dtype", lambda device: chosen.append(real_autocast_dtype(device)) or chosen[-1])
     json_path = tmp_path / "result.json"
-    monkeypatch.setattr(sys, "argv", ["opt3.py", *GPU_ARGS, "--json", str(json_path)])
-    opt3.main()
+    monkeypatch.setattr(sys, "argv", ["opt4.py", *GPU_ARGS, "--json", str(json_path)])
+    opt4.main()
     assert [dtype for dtype, _ in chosen] == [torch.float16] and read_json(json_path)["final_test_accuracy"] > 0.5
     # fused AdamW takes GradScaler's found-inf flag on the device: the float16 step is captured too
     assert "step: captured as a CUDA graph and replayed" in capsys.readouterr().out.splitlines()
@@ -3078,9 +3078,9 @@ def test_cuda_float16_with_grad_scaler_on_a_card_without_bfloat16(monkeypatch, t
 
 @cuda_test
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-def test_cuda_opt5_two_gpus_with_nccl_end_with_identical_weights(tmp_path):
+def test_cuda_opt6_two_gpus_with_nccl_end_with_identical_weights(tmp_path):
     json_path = tmp_path / "result.json"
-    result = run_script(*TORCHRUN, "opt5.py", *GPU_ARGS, "--json", json_path)
+    result = run_script(*TORCHRUN, "opt6.py", *GPU_ARGS, "--json", json_path)
     assert result.returncode == 0, result.stderr
     first, second = checksums(result.stderr)
     assert first == second and read_json(json_path)["world_size"] == 2

@@ -2,8 +2,8 @@
 torch.compile) vs compiled and captured, at a few batch sizes and image sizes: the probe behind
 h200-d264298/capture-probe-2.log. Prints one JSON line per configuration: seconds from the model's creation to a steady
 step (compile, cuDNN autotuning, warm-up, capture) and the steady ms a step (median of 5 chunks of 40 steps, CUDA
-events). The step is opt3's in outline (a batch gathered from uint8 images on the GPU and normalized, bfloat16
-autocast, channels_last, label smoothing 0.1, fused AdamW with its rate in a tensor), not opt3's own code.
+events). The step is opt4's in outline (a batch gathered from uint8 images on the GPU and normalized, bfloat16
+autocast, channels_last, label smoothing 0.1, fused AdamW with its rate in a tensor), not opt4's own code.
 
     python results/capture_probe.py [--compiled]
 

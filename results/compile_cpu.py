@@ -1,11 +1,11 @@
-"""What --compile buys opt3 on this CPU: its training step and its evaluation with the model compiled or not, timed in
+"""What --compile buys opt4 on this CPU: its training step and its evaluation with the model compiled or not, timed in
 one process, in alternating blocks (so whatever else the machine does falls on both alike), and what compiling costs
 the first time (run it with an empty inductor cache, as a first run meets it):
 
     TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python results/compile_cpu.py
 
-Random images and a random ResNet10 at opt3's defaults (batch 128, bfloat16 where the CPU has a unit for it): the work
-does not depend on the values. The last line projects opt3's default run (--epochs 5: 1,950 steps, 5 evaluations of
+Random images and a random ResNet10 at opt4's defaults (batch 128, bfloat16 where the CPU has a unit for it): the work
+does not depend on the values. The last line projects opt4's default run (--epochs 5: 1,950 steps, 5 evaluations of
 the 10,000 test images) both ways.
 """
 import functools
@@ -20,18 +20,18 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
-import opt3  # noqa: E402
+import opt4  # noqa: E402
 
 BLOCKS, STEPS_PER_BLOCK, EVALUATED = 6, 8, 2000
 device, batch_size = torch.device("cpu"), 128
-amp_dtype, _ = opt3.autocast_dtype(device)
+amp_dtype, _ = opt4.autocast_dtype(device)
 images = torch.randint(0, 256, (STEPS_PER_BLOCK * batch_size, 3, 32, 32), dtype=torch.uint8)
 labels = torch.randint(0, 10, (len(images),))
 test_data = (torch.randint(0, 256, (EVALUATED, 3, 32, 32), dtype=torch.uint8), torch.randint(0, 10, (EVALUATED,)))
 
 
 def build(compiled):
-    """opt3's run as its main() builds it, the model compiled or not, and its training step."""
+    """opt4's run as its main() builds it, the model compiled or not, and its training step."""
     torch.manual_seed(0)
     model = common.ResNet10().to(device, memory_format=torch.channels_last)
     if compiled:
@@ -39,13 +39,13 @@ def build(compiled):
     args = SimpleNamespace(batch_size=batch_size, accum_steps=1)
     run = SimpleNamespace(args=args, device=device, amp_dtype=amp_dtype, model=model,
                           criterion=nn.CrossEntropyLoss(label_smoothing=0.1),
-                          optimizer=opt3.adamw(model.parameters(), 8e-3, device),
+                          optimizer=opt4.adamw(model.parameters(), 8e-3, device),
                           scaler=torch.amp.GradScaler("cpu", enabled=False),
                           generator=torch.Generator().manual_seed(0), train_data=(images, labels),
-                          statistics=opt3.channel_statistics(device),
-                          schedule=opt3.onecycle_schedule(8e-3, 1000 * STEPS_PER_BLOCK, device),
-                          plan=opt3.empty_plan(STEPS_PER_BLOCK, args, device))
-    return run, functools.partial(opt3.train_step, run)
+                          statistics=opt4.channel_statistics(device),
+                          schedule=opt4.onecycle_schedule(8e-3, 1000 * STEPS_PER_BLOCK, device),
+                          plan=opt4.empty_plan(STEPS_PER_BLOCK, args, device))
+    return run, functools.partial(opt4.train_step, run)
 
 
 def timed(function):
@@ -57,7 +57,7 @@ def timed(function):
 def block(run, step, epoch):
     """One epoch of STEPS_PER_BLOCK steps, as train_one_epoch runs them (the plan drawn first)."""
     run.model.train()
-    opt3.draw_epoch(run, len(images), epoch)
+    opt4.draw_epoch(run, len(images), epoch)
     for _ in range(STEPS_PER_BLOCK):
         step()
 
@@ -66,12 +66,12 @@ print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {amp_dtype
       f"{common.bfloat16_unit()})")
 runs = {"eager": build(False), "compiled": build(True)}
 first = {mode: timed(lambda: block(*runs[mode], 1)) for mode in runs}  # compiling happens here
-first_evaluation = {mode: timed(lambda: opt3.evaluate(runs[mode][0], test_data)) for mode in runs}
+first_evaluation = {mode: timed(lambda: opt4.evaluate(runs[mode][0], test_data)) for mode in runs}
 step_ms, evaluation_s = {mode: [] for mode in runs}, {mode: [] for mode in runs}
 for epoch in range(2, BLOCKS + 2):
     for mode in (runs if epoch % 2 else reversed(runs)):  # alternating which goes first
         step_ms[mode].append(1000 * timed(lambda: block(*runs[mode], epoch)) / STEPS_PER_BLOCK)
-        evaluation_s[mode].append(timed(lambda: opt3.evaluate(runs[mode][0], test_data)))
+        evaluation_s[mode].append(timed(lambda: opt4.evaluate(runs[mode][0], test_data)))
 for mode in runs:
     print(f"{mode}: step {statistics.median(step_ms[mode]):.0f} ms (median of {BLOCKS} blocks of {STEPS_PER_BLOCK}: "
           f"{', '.join(f'{ms:.0f}' for ms in step_ms[mode])}); evaluation of {EVALUATED:,} images "
@@ -84,7 +84,7 @@ for mode in runs:
     compiling = first[mode] - steady_block + first_evaluation[mode] - steady_evaluation
     projected[mode] = (1950 * statistics.median(step_ms[mode]) / 1000 + 5 * steady_evaluation * 10000 / EVALUATED
                        + compiling)
-    print(f"{mode}: compiling and warm-up {compiling:.1f} s; opt3 --epochs 5 projected: {projected[mode]:.0f} s of "
+    print(f"{mode}: compiling and warm-up {compiling:.1f} s; opt4 --epochs 5 projected: {projected[mode]:.0f} s of "
           f"steps, evaluations and compiling")
 print(f"compiled / eager, ms a step: {statistics.median(step_ms['compiled']) / statistics.median(step_ms['eager']):.3f}; "
       f"projected run: {projected['compiled'] / projected['eager']:.3f}")

@@ -1,12 +1,12 @@
-"""What opt4's evaluations cost a CPU, compiled (as opt4 did up to 33dad5d) or eager (as since): those of its 20-epoch
+"""What opt5's evaluations cost a CPU, compiled (as opt5 did up to 33dad5d) or eager (as since): those of its 20-epoch
 recipe, a 1,000-image test subset after epochs 1-19 at their sizes (16 px x7, 24 px x7, 32 px x5), then all
 10,000 test images at 32 px, on a random ResNet10 and random images (the work does not depend on the values).
 
-  compiled  the model compiled with dynamic=False, each last batch padded to a full one (one graph per size); opt4's
+  compiled  the model compiled with dynamic=False, each last batch padded to a full one (one graph per size); opt5's
             evaluate without the stance that keeps it eager (its __wrapped__ function)
-  eager     opt4's evaluate as it is: the model uncompiled, the last batch unpadded
+  eager     opt5's evaluate as it is: the model uncompiled, the last batch unpadded
 
-One small compile runs first in both, as opt4's step compiles before any evaluation (inductor's start-up). Run each
+One small compile runs first in both, as opt5's step compiles before any evaluation (inductor's start-up). Run each
 mode in its own process with an empty inductor cache, as a first run meets it:
     TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python results/evaluations.py compiled
 """
@@ -19,17 +19,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
-import opt4  # noqa: E402
+import opt5  # noqa: E402
 
 mode = sys.argv[1] if sys.argv[1:] in (["compiled"], ["eager"]) else sys.exit("usage: evaluations.py compiled|eager")
 torch.manual_seed(0)
 device, batch_size = torch.device("cpu"), 512
-amp_dtype, _ = opt4.autocast_dtype(device)
+amp_dtype, _ = opt5.autocast_dtype(device)
 model = common.ResNet10().to(device, memory_format=torch.channels_last)
 if mode == "compiled":
     model.compile(dynamic=False)
 run = SimpleNamespace(model=model, device=device, amp_dtype=amp_dtype, args=SimpleNamespace(batch_size=batch_size),
-                      statistics=opt4.channel_statistics(device))
+                      statistics=opt5.channel_statistics(device))
 torch.compile(lambda x: (x.relu() + 1).sum())(torch.randn(64))
 
 
@@ -45,10 +45,10 @@ monitor, test = padded(1000), padded(10000)
 print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {amp_dtype}, {mode}")
 total = 0.0
 for epoch in range(1, 21):
-    size = opt4.image_size(epoch, 20, 16, full_size=32)
+    size = opt5.image_size(epoch, 20, 16, full_size=32)
     data = test if epoch == 20 else monitor
     start = time.perf_counter()
-    (opt4.evaluate.__wrapped__ if mode == "compiled" else opt4.evaluate)(run, data, size)
+    (opt5.evaluate.__wrapped__ if mode == "compiled" else opt5.evaluate)(run, data, size)
     seconds = time.perf_counter() - start
     total += seconds
     print(f"{mode}: epoch {epoch:2d}, {size} px, {len(data[1]):,} images: {seconds:6.2f} s", flush=True)
