@@ -79,15 +79,15 @@ def whitening_stem(patch, images_used=5000):
 def alternating_flip(patch):
     """Each image is mirrored in epoch 1 by a coin toss, then in every other epoch after it: over any two epochs
     each image is seen both ways, where independent coins show a quarter of them the same way twice."""
-    draw, first_flips = opt5.draw_epoch, []
+    plan, first_flips = opt5.plan_epoch, []
 
-    def draw_epoch(run, size, epoch):
-        draw(run, size, epoch)  # opt5's batches and crops; its coin per position in a batch is replaced below
+    def plan_epoch(run, size, epoch):
+        plan(run, size, epoch)  # opt5's batches and crops; its coin per position in a batch is replaced below
         if not first_flips:
             generator = torch.Generator(run.device).manual_seed(run.args.seed)
             first_flips.append(torch.rand(size, device=run.device, generator=generator) < 0.5)
         run.plan.flips.copy_((first_flips[0][run.plan.batches] ^ (epoch % 2 == 0)).unsqueeze(-1))
-    patch(opt5, "draw_epoch", draw_epoch)
+    patch(opt5, "plan_epoch", plan_epoch)
 
 
 def ema_of_the_weights(patch, decay=0.99):

@@ -8,7 +8,8 @@ learning rate, epochs: 5, and opt5's recipe 20) on real data, each in its own pr
 you. The table has its steady images/s (epochs 2 on; per image size for opt5), the speedup over baseline.py's, its
 test accuracy, the seconds from launch to result, the first epoch's seconds (compiling included) and the seconds
 before the first step. With --json every script's own --json line is appended (the rows results/ holds), then one
-line with the table.
+line with the table. A script that fails (exits non-zero or writes no row) is marked failed in the table, with where
+its output is; the rest still run, and benchmark.py exits 1 after the table.
 
 The ladder (--ladder): what each optimization buys in speed alone. Every rung gets the same settings (batch 128, 2
 epochs of 2,048 generated images unless told), each rung one more group of optimizations switched on by the scripts'
@@ -31,7 +32,7 @@ import common
 import harness
 
 ROOT = Path(__file__).resolve().parent
-SCRIPTS = ["baseline.py", "opt1.py", "opt2.py", "opt4.py", "opt5.py"]  # the chain (opt6 runs under torchrun)
+SCRIPTS = ["baseline.py", "opt1.py", "opt2.py", "opt3.py", "opt4.py", "opt5.py"]  # the chain (opt6 runs under torchrun)
 # The ladder: each rung switches on one group of optimizations with a flag the scripts already have.
 # (rung, script, flags, the rung it is compared with, what it adds, what of that acts only on a GPU)
 LADDER = [
@@ -43,10 +44,12 @@ LADDER = [
      "OneCycleLR, normalize + crop + flip, label smoothing, inference_mode",
      "pinned memory, non_blocking copies"),
     ("opt2, 2 workers", "opt2.py", ["--workers", "2"], "opt2, 0 workers", "2 loader processes", ""),
-    ("opt4 eager", "opt4.py", [], "opt2, 0 workers",
-     "data on the device, channels_last, the step on device buffers, fused AdamW, no host sync, flip TTA; minus "
-     "torch.compile", "no host sync; the step captured as one CUDA graph"),
-    ("opt4", "opt4.py", ["--compile"], "opt4 eager", "torch.compile (the model; before the step's two halves)", ""),
+    ("opt3", "opt3.py", [], "opt2, 0 workers",
+     "data on the device, batch crops and flips, channels_last, fused AdamW, losses on the device, flip TTA; minus "
+     "torch.compile", "bfloat16 autocast (sm_80 on)"),
+    ("opt4", "opt4.py", [], "opt3", "the step as one function on fixed device buffers",
+     "no host sync; the step captured as one CUDA graph"),
+    ("opt4 + compile", "opt4.py", ["--compile"], "opt4", "torch.compile (the model, inside the step)", ""),
 ]
 
 
@@ -98,7 +101,8 @@ def runs_to_compare(args):
 
 
 def run_once(script, flags, args, json_path):
-    """Run one script once with the settings given (the rest its own defaults); returns its --json report."""
+    """Run one script once with the settings given (the rest its own defaults); returns (its --json report, None), or
+    (None, why it failed: the table's cell) where it exits non-zero or writes no row."""
     settings = {"--epochs": args.epochs, "--batch-size": args.batch_size, "--train-size": args.train_size,
                 "--test-size": args.test_size, "--data-dir": args.data_dir}
     command = [sys.executable, str(ROOT / script), "--device", args.device, "--json", json_path, *flags]
@@ -107,9 +111,18 @@ def run_once(script, flags, args, json_path):
     if args.synthetic or (args.ladder and args.data_dir is None):
         command.append("--synthetic")
     result = subprocess.run([str(part) for part in command], capture_output=True, text=True)
-    if result.returncode != 0:
-        common.fail(f"{script} failed (exit {result.returncode}): {result.stderr.strip()[-500:]}", code=1)
-    return json.loads(Path(json_path).read_text().splitlines()[-1])
+    if result.returncode == 0:
+        try:
+            return json.loads(Path(json_path).read_text().splitlines()[-1]), None
+        except (OSError, IndexError, json.JSONDecodeError):
+            pass
+    why = f"exit {result.returncode}" if result.returncode != 0 else "no row written"
+    if not result.stdout + result.stderr:
+        return None, f"failed ({why})"
+    # kept past this run: the temporary folder of the rows goes when the benchmark ends
+    with tempfile.NamedTemporaryFile("w", prefix=f"benchmark-{Path(script).stem}-", suffix=".log", delete=False) as log:
+        log.write(result.stdout + result.stderr)
+    return None, f"failed ({why}; its output in {log.name})"
 
 
 def matmul_peak_tflops(device, dtype=torch.bfloat16, size=4096, repeats=10):
@@ -188,13 +201,20 @@ def per_size(values, spec):
     return ", ".join(figures) or "-"
 
 
-def chain_table(results):
-    """The chain's markdown table: one row per script, the speedup over baseline.py's steady images/s."""
-    rows = chain_rows(results)
-    baseline = next((row["images_per_second"].get("all") for row in rows if row["name"] == "baseline.py"), None)
+def chain_table(results, failures=None):
+    """The chain's markdown table: one row per script, the speedup over baseline.py's steady images/s; a script in
+    `failures` ({name: why}) gets why in its images/s cell and "-" in the rest."""
+    failures = failures or {}
+    rows = {row["name"]: row for row in chain_rows({name: reports for name, reports in results.items()
+                                                    if name not in failures})}
+    baseline = rows["baseline.py"]["images_per_second"].get("all") if "baseline.py" in rows else None
     lines = ["| script | images/s | speedup | ms/step (batch) | test acc % | launch to result s | first epoch s "
              "(compile) | before it s | peak memory GiB |", "|---|---|---|---|---|---|---|---|---|"]
-    for row in rows:
+    for name in results:
+        if name in failures:
+            lines.append(f"| {name} | {failures[name]} |" + " - |" * 7)
+            continue
+        row = rows[name]
         speed = row["images_per_second"].get("all")
         speedup = f"{speed / baseline:.2f}x" if speed and baseline else "-"
         lines.append(
@@ -205,18 +225,29 @@ def chain_table(results):
     return "\n".join(lines)
 
 
-def ladder_table(results, peak_tflops):
-    """One row per rung: medians over its runs, its speedup over the rung it adds to and over baseline."""
-    rows = {row["name"]: row for row in medians(results, peak_tflops)}
+def speedup_over(row, over):
+    """row's images/s over `over`'s as "1.25x"; "-" where `over` failed (None)."""
+    return f"{row['images_per_second'] / over['images_per_second']:.2f}x" if over else "-"
+
+
+def ladder_table(results, peak_tflops, failures=None):
+    """One row per rung: medians over its runs, its speedup over the rung it adds to and over baseline; a rung in
+    `failures` ({rung: why}) gets why in its images/s cell and "-" in the rest."""
+    failures = failures or {}
+    rows = {row["name"]: row for row in medians({rung: reports for rung, reports in results.items()
+                                                 if rung not in failures}, peak_tflops)}
     lines = ["| rung | flags | adds | acts only on a GPU | images/s | vs | speedup | vs baseline | ms/step "
              "| warm-up s | peak memory GiB | % of bf16 peak |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for rung, script, flags, compared_with, adds, gpu_only in LADDER:
+        described = f"| {rung} | `{' '.join([script, *flags])}` | {adds} | {gpu_only or '-'} "
+        if rung in failures:
+            lines.append(f"{described}| {failures[rung]} |" + " - |" * 7)
+            continue
         row = rows[rung]
-        speedup = f"{row['images_per_second'] / rows[compared_with]['images_per_second']:.2f}x" if compared_with else ""
         lines.append(
-            f"| {rung} | `{' '.join([script, *flags])}` | {adds} | {gpu_only or '-'} "
-            f"| {row['images_per_second']:.0f} | {compared_with or ''} | {speedup} "
-            f"| {row['images_per_second'] / rows['baseline']['images_per_second']:.2f}x | {row['ms_per_step']:.1f} "
+            f"{described}| {row['images_per_second']:.0f} | {compared_with or ''} "
+            f"| {speedup_over(row, rows.get(compared_with)) if compared_with else ''} "
+            f"| {speedup_over(row, rows.get('baseline'))} | {row['ms_per_step']:.1f} "
             f"| {row['warmup_seconds']:.1f} | {harness.shown(row['peak_memory_gib'], '.2f')} "
             f"| {harness.shown(row['percent_of_bf16_peak'], '.0f')} |")
     return "\n".join(lines)
@@ -233,14 +264,23 @@ def measure_peaks(peaks, device):
 def main():
     args = parse_args()
     runs = runs_to_compare(args)
-    results = {name: [] for name, _, _ in runs}
+    results, failures = {name: [] for name, _, _ in runs}, {}
     peaks = {torch.bfloat16: [], torch.float32: []}
+    device = None  # the device the runs report, once one has
     with tempfile.TemporaryDirectory() as folder:
         for round_number in range(1, args.repeats + 1):
             for run_number, (name, script, flags) in enumerate(runs):
                 print(f"round {round_number}/{args.repeats} {name}: ", end="", flush=True)  # runs take minutes
-                report = run_once(script, flags, args, Path(folder) / f"{run_number}.{round_number}.json")
+                if name in failures:  # it would fail again: its first failure is in the table
+                    print("skipped, failed before", flush=True)
+                    continue
+                report, failure = run_once(script, flags, args, Path(folder) / f"{run_number}.{round_number}.json")
+                if failure:
+                    failures[name] = failure
+                    print(failure, flush=True)
+                    continue
                 results[name].append(report)
+                device = torch.device(report["device"])
                 speeds = {size: speed for size, (speed, _) in steady_by_size(report).items()}
                 print(f"{per_size(speeds, ',.0f')} img/s, test acc "
                       f"{100 * report['final_test_accuracy']:.2f}%, {report['launch_to_result_seconds']:.0f} s from "
@@ -248,37 +288,47 @@ def main():
                 if args.json:
                     with open(args.json, "a") as file:
                         file.write(json.dumps({**report, "benchmark_run": name, "round": round_number}) + "\n")
-            if args.ladder:
-                measure_peaks(peaks, torch.device(report["device"]))
-    first = next(iter(results.values()))[0]
-    machine = first["cpu"] if first["device"] == "cpu" else first["device_name"]
-    data = "generated data" if first["data"] == "synthetic" else \
-        f"CIFAR-10 in {first['settings']['data_dir']} (fingerprint {first['data_fingerprint']})"
-    print(f"\n{machine}, {first['threads']} threads, torch {first['torch']}, commit {first['commit']}; {data}; "
-          f"medians of {args.repeats} round{'s' * (args.repeats > 1)}", end="")
-    summary = {"benchmark": "ladder" if args.ladder else "chain",
+            if args.ladder and device is not None:
+                measure_peaks(peaks, device)
+    ran = {name: reports for name, reports in results.items() if name not in failures}
+    summary = {"benchmark": "ladder" if args.ladder else "chain", "chain": harness.CHAIN_NUMBERING,
                "date": datetime.datetime.now().isoformat(timespec="seconds"),
-               "command": shlex.join(["python", "benchmark.py", *sys.argv[1:]]), "machine": machine,
-               "threads": first["threads"], "torch": first["torch"], "commit": first["commit"],
-               "data_fingerprint": first["data_fingerprint"], "settings": vars(args)}
+               "command": shlex.join(["python", "benchmark.py", *sys.argv[1:]])}
+    print()
+    if ran:
+        first = next(iter(ran.values()))[0]
+        machine = first["cpu"] if first["device"] == "cpu" else first["device_name"]
+        data = "generated data" if first["data"] == "synthetic" else \
+            f"CIFAR-10 in {first['settings']['data_dir']} (fingerprint {first['data_fingerprint']})"
+        print(f"{machine}, {first['threads']} threads, torch {first['torch']}, "
+              f"commit {first['commit'] or 'unknown (not a git checkout)'}; {data}; "
+              f"medians of {args.repeats} round{'s' * (args.repeats > 1)}", end="")
+        summary.update(machine=machine, threads=first["threads"], torch=first["torch"], commit=first["commit"],
+                       data_fingerprint=first["data_fingerprint"])
+    summary.update(settings=vars(args), failed=failures)
     if args.ladder:
-        peak_tflops, float32_peak_tflops = max(peaks[torch.bfloat16], default=None), max(peaks[torch.float32])
-        print(f", {args.train_size} training images x {args.epochs} epochs, batch {args.batch_size}; peak = the best "
-              f"4096x4096 matmul of all rounds: bf16 {harness.shown(peak_tflops, '.2f')} TFLOP/s, float32 "
-              f"{float32_peak_tflops:.2f} TFLOP/s"
-              f"{' (bf16 not measured: no bfloat16 unit, so the scripts run float32)' if peak_tflops is None else ''}")
-        print(f"\n{ladder_table(results, peak_tflops)}")
+        peak_tflops = max(peaks[torch.bfloat16], default=None)
+        float32_peak_tflops = max(peaks[torch.float32], default=None)  # None where no run gave a device
+        no_bf16 = " (bf16 not measured: no bfloat16 unit, so the scripts run float32)" if peak_tflops is None else ""
+        if ran:
+            print(f", {args.train_size} training images x {args.epochs} epochs, batch {args.batch_size}; peak = the "
+                  f"best 4096x4096 matmul of all rounds: bf16 {harness.shown(peak_tflops, '.2f')} TFLOP/s, float32 "
+                  f"{float32_peak_tflops:.2f} TFLOP/s{no_bf16}\n")
+        print(ladder_table(results, peak_tflops, failures))
         summary.update(bf16_peak_tflops=peak_tflops, float32_peak_tflops=float32_peak_tflops,
-                       rows=medians(results, peak_tflops))
+                       rows=medians(ran, peak_tflops))
     else:
         given = [f"--{name.replace('_', '-')} {value}" for name, value in vars(args).items()
                  if name in ("epochs", "batch_size", "train_size", "test_size") and value is not None]
-        print(f"; each script at its defaults{' but ' + ' '.join(given) if given else ''}\n")
-        print(chain_table(results))
-        summary["rows"] = chain_rows(results)
+        if ran:
+            print(f"; each script at its defaults{' but ' + ' '.join(given) if given else ''}\n")
+        print(chain_table(results, failures))
+        summary["rows"] = chain_rows(ran)
     if args.json:
         with open(args.json, "a") as file:
             file.write(json.dumps(summary) + "\n")
+    if failures:
+        sys.exit(1)  # after the whole table: the runs that worked are measured all the same
 
 
 if __name__ == "__main__":

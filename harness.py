@@ -500,6 +500,10 @@ def git_commit():
     return commit.stdout.strip() + ("+changes" if changed else "")
 
 
+# Read at launch (this module's import), so a long run's row names the code that ran, not the checkout at its end
+COMMIT_AT_LAUNCH = git_commit()
+
+
 def fingerprint(file_md5s):
     """12 hex digits of the md5 of the files' md5s, in order."""
     return hashlib.md5("".join(file_md5s).encode()).hexdigest()[:12]
@@ -581,6 +585,8 @@ def report(script, run, records, total_seconds):
               f"{summary['steady_ms_per_step']:.1f} ms/step, {summary['achieved_tflops']:.3f} TFLOP/s | "
               f"warm-up {summary['warmup_seconds']:.1f} s")
     if args.json:
+        if COMMIT_AT_LAUNCH is None:
+            print("commit unknown: not a git checkout (or git is missing), so the row's commit is null")
         result = {
             "script": Path(script).name,
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -593,7 +599,7 @@ def report(script, run, records, total_seconds):
             "data": "synthetic" if args.synthetic else "cifar10",
             # which files: the official CIFAR-10's fingerprint is fingerprint() of torchvision's md5s
             "data_fingerprint": data_fingerprint(args),
-            "commit": git_commit(),
+            "commit": COMMIT_AT_LAUNCH,  # null where unknown: the summary above says so
             # the scripts' numbering: 2 since opt3 was split in two (opt3.py the data on the device, opt4.py the
             # captured step); a row without it names the scripts as before (results/README.md reads it through a table)
             "chain": CHAIN_NUMBERING,

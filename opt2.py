@@ -98,7 +98,7 @@ def evaluate(run, loader):
             images, labels = images.to(run.device, non_blocking=True), labels.to(run.device, non_blocking=True)
             # opt1: the last batch padded with blank images to a full one (their outputs are dropped): one shape, so
             # one compiled evaluation graph, not another for the last few images
-            images = F.pad(images, (0, 0, 0, 0, 0, 0, 0, loader.batch_size - len(images)))
+            images = torch.cat([images, images.new_zeros(loader.batch_size - len(images), *images.shape[1:])])
             # opt1: 16-bit here too
             with torch.autocast(run.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32):
                 outputs = run.model(images)[:len(labels)]

@@ -1,11 +1,11 @@
-"""opt4.py: opt2.py + bfloat16, channels_last, the dataset kept on the device and augmented there in
-whole batches, the whole training step as one function that the host never waits on (on a GPU
-captured once as a CUDA graph and replayed, uncompiled), fused AdamW, and flip test-time augmentation.
+"""opt4.py: opt3.py + the whole training step as one function on buffers at fixed addresses, which a GPU
+captures once as a CUDA graph and replays: one launch a step instead of one per kernel, and the host
+never waits for the GPU.
 
     python opt4.py --epochs 5               # CIFAR-10 in ./data, downloaded if missing
     python opt4.py --synthetic --epochs 2   # no download: measures speed only
 
-Each optimization is marked `# opt4:` where it happens; read `diff -u opt2.py opt4.py`.
+Each optimization is marked `# opt4:` where it happens; read `diff -u opt3.py opt4.py`.
 """
 import argparse
 import functools
@@ -22,12 +22,12 @@ import harness
 def parse_args():
     # opt2: a bigger batch keeps the GPU busy with fewer, larger kernels and fewer optimizer steps
     parser = harness.build_parser(__doc__, batch_size=128, lr=8e-3)
+    # opt3: off by default: on an H200 compiling took ~38 s with an empty cache, more than all 1,950 steps of a
+    # 5-epoch run take uncompiled (~7 ms each); on a 2-core CPU it saved nothing a step
+    # opt4: captured, a step took 1.81 ms uncompiled and 1.40 compiled: ~38 s of compiling pays after ~90,000 steps
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
-                        help="torch.compile the model, inside the captured step. On an H200 the step compiled whole "
-                             "(older code) and captured took 1.40 ms at batch 128 against 1.81 ms captured uncompiled, "
-                             "for ~38 s of compiling with an empty cache: that pays after ~90,000 steps, 45x a 5-epoch "
-                             "run. On a 2-core CPU compiling the model saved nothing a step, for 43 s "
-                             "(results/compile_cpu.log) (default: off)")
+                        help="torch.compile the model, inside the captured step; it pays only where the steps outlast "
+                             "its ~40 s of compiling (default: off)")
     parser.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"],
                         help="max-autotune-no-cudagraphs times kernel variants for minutes, longer than a short run; "
                              "the modes that capture CUDA graphs themselves are not offered: the script captures the "
@@ -43,7 +43,7 @@ def parse_args():
 def autocast_dtype(device):
     """The 16-bit type `device` runs natively, or float32 where it has none; and why, in words, for the log."""
     if device.type == "cuda":
-        # opt4: bfloat16 where the GPU runs it natively (Ampere, sm_80, and newer): float32's range, so no
+        # opt3: bfloat16 where the GPU runs it natively (Ampere, sm_80, and newer): float32's range, so no
         # GradScaler and no skipped steps. Not is_bf16_supported() alone: it also counts GPUs that only
         # emulate bfloat16 (T4, sm_75), where inductor will not compile it and the model would run eager and slow
         if torch.cuda.is_bf16_supported(including_emulation=False):
@@ -104,19 +104,28 @@ def empty_plan(steps, args, device):
     )
 
 
-def draw_epoch(run, size, epoch):
-    """Fill the plan for `epoch` of a training set of `size` images: a fresh permutation cut into full batches (the few
-    images left over change each epoch; every batch is full, so the step sees one shape), every image's crop and flip,
-    and the epoch's rows of the schedule. copy_ writes into the buffers the step reads, at the addresses it knows."""
-    plan, generator, device = run.plan, run.generator, run.device
-    rows, batch_size = plan.batches.shape
+def draw_epoch(run, size):
+    """One epoch of a training set of `size` images, drawn on the device: a fresh permutation cut into full
+    micro-batches (the few images left over change each epoch; every batch is full, so the step sees one shape), and
+    every image's crop offsets and flip."""
+    args, generator, device = run.args, run.generator, run.device
+    rows, batch_size = size // (args.batch_size * args.accum_steps) * args.accum_steps, args.batch_size
     permutation = torch.randperm(size, device=device, generator=generator)
-    plan.batches.copy_(permutation[:rows * batch_size].view(rows, batch_size))
+    batches = permutation[:rows * batch_size].view(rows, batch_size)
     crop_offsets = 2 * common.CROP_PADDING + 1
-    plan.offsets.copy_(torch.randint(0, crop_offsets, plan.offsets.shape, device=device, generator=generator))
-    plan.flips.copy_(torch.rand(plan.flips.shape, device=device, generator=generator) < 0.5)
-    steps = len(plan.schedule)
-    plan.schedule.copy_(run.schedule[(epoch - 1) * steps:epoch * steps])
+    offsets = torch.randint(0, crop_offsets, (rows, 2, batch_size, 1), device=device, generator=generator)
+    flips = torch.rand((rows, batch_size, 1), device=device, generator=generator) < 0.5
+    return batches, offsets, flips
+
+
+def plan_epoch(run, size, epoch):
+    """Draw `epoch` (draw_epoch) into the plan, with its rows of the schedule, and start its counters at 0."""
+    plan, steps = run.plan, len(run.plan.schedule)
+    batches, offsets, flips = draw_epoch(run, size)
+    # opt4: copy_ writes into the buffers the captured step reads, at the addresses it was captured with
+    for buffer, values in ((plan.batches, batches), (plan.offsets, offsets), (plan.flips, flips),
+                           (plan.schedule, run.schedule[(epoch - 1) * steps:epoch * steps])):
+        buffer.copy_(values)
     for counter in (plan.step, plan.losses, plan.correct):
         counter.zero_()
 
@@ -125,10 +134,10 @@ def onecycle_schedule(max_lr, total_steps, device):
     """OneCycleLR's learning rate for every optimizer step, on `device`.
 
     torch's own scheduler computes them, stepped here once on a stand-in optimizer: a step reads its rate, so no
-    scheduler runs on the host between steps and no rate is baked into a captured step. beta1 stays at AdamW's 0.9
-    (cycle_momentum=False): fused AdamW takes it as a number, which a captured step would keep.
+    scheduler runs on the host between steps and no rate is baked into a captured step.
     """
     stand_in = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=max_lr)
+    # opt4: beta1 stays at AdamW's 0.9 (no cycle_momentum): fused AdamW takes it as a number, which a capture keeps
     scheduler = torch.optim.lr_scheduler.OneCycleLR(stand_in, max_lr=max_lr, total_steps=total_steps, pct_start=0.25,
                                                     cycle_momentum=False)
     rates = []
@@ -141,8 +150,8 @@ def onecycle_schedule(max_lr, total_steps, device):
 
 def adamw(parameters, lr, device):
     """torch's fused AdamW (weight decay 0.05) with its learning rate in a tensor on `device`."""
-    # opt4: fused: one kernel updates every weight (a few on a GPU), not a dozen ops each, its step count kept on the
-    # device. The schedule writes the rate into the tensor in place: a float would be baked into the captured step.
+    # opt3: fused: one kernel updates every weight (a few on a GPU), not a dozen ops each
+    # opt4: the rate in a tensor, which the schedule writes in place: a float would be baked into the captured step.
     # capturable: without it torch refuses to capture the update (fused AdamW computes the same either way)
     return torch.optim.AdamW(parameters, lr=torch.tensor(lr, device=device), weight_decay=0.05, fused=True,
                              capturable=True)
@@ -153,10 +162,11 @@ def micro_batch_loss(run, micro_batch):
     device, normalized, cropped and flipped, the model's loss over them (divided by --accum-steps), and its loss and
     correct count kept on the device."""
     plan, (all_images, all_labels) = run.plan, run.train_data
+    # opt4: the micro-batch's row found on the device, by the plan's counter: a Python index would be baked into the
+    # captured step. The row is a 1-element tensor, so each gather keeps a leading dimension of 1: squeeze(0)
     row = plan.step * run.args.accum_steps + micro_batch
-    indices = plan.batches[row].squeeze(0)
-    # opt4: normalize, crop and flip the whole batch on the device; channels_last for the model
-    offsets, flips = plan.offsets[row].squeeze(0), plan.flips[row].squeeze(0)
+    indices, offsets, flips = plan.batches[row].squeeze(0), plan.offsets[row].squeeze(0), plan.flips[row].squeeze(0)
+    # opt3: normalize, crop and flip the whole batch on the device; channels_last for the model
     images = augment(normalize(all_images[indices], run.statistics), offsets, flips)
     images = images.contiguous(memory_format=torch.channels_last)
     labels = all_labels[indices]
@@ -166,22 +176,21 @@ def micro_batch_loss(run, micro_batch):
                         cache_enabled=False):
         outputs = run.model(images)
         loss = run.criterion(outputs, labels)
-    # opt4: losses and correct counts stay on the device: reading them per step would wait for the GPU
+    # opt4: into the plan's buffers: the captured step writes the same addresses every replay
     plan.losses[row] = loss.detach()
-    plan.correct.add_((outputs.argmax(1) == labels).sum())  # add_: `+=` would store the attribute, a graph break
+    plan.correct += (outputs.argmax(1) == labels).sum()
     return loss / run.args.accum_steps  # opt2: the mean over the effective batch
 
 
 def optimizer_step(run):
     """The update that ends a step: the plan's learning rate for this step written into the optimizer's own tensor,
-    the step, the gradients dropped, and the counter moved on."""
+    the step, and the counter moved on."""
     plan = run.plan
     for group in run.optimizer.param_groups:
         group["lr"].copy_(plan.schedule[plan.step].squeeze(0))  # opt4: the schedule reaches the optimizer on the device
     run.scaler.step(run.optimizer)
     run.scaler.update()
-    run.optimizer.zero_grad()  # opt4: set_to_none (the default): backward writes each gradient afresh, no zeroing pass
-    plan.step.add_(1)
+    plan.step += 1
 
 
 def train_step(run):
@@ -191,6 +200,9 @@ def train_step(run):
     counter) and nothing is read back: every call is the same work on tensors at the same addresses, so the host
     need not wait for it and a GPU can replay it as one CUDA graph.
     """
+    # opt4: the gradients dropped at the start, as in PyTorch's whole-network capture: backward then makes them in the
+    # graph's own memory, and a step run again after a failed capture starts without the half-recorded ones
+    run.optimizer.zero_grad()
     for micro_batch in range(run.args.accum_steps):
         loss = micro_batch_loss(run, micro_batch)
         # opt1: float16 gradients can underflow to zero; GradScaler scales the loss up, then back
@@ -202,12 +214,15 @@ def cuda_graph(step, warmup_steps=3):
     """`step` (a function of no arguments) as a function that replays it as one CUDA graph: its first `warmup_steps`
     calls run it as itself on a side stream, as PyTorch's whole-network capture does (compiling, cuDNN's autotuning
     and the optimizer's first state happen there, not in the graph); the next captures it once; then each replays it.
+    A capture that fails says why in one line; that call and every later one then run `step` as itself.
     """
-    graph, calls = torch.cuda.CUDAGraph(), 0
+    graph, calls, failed = torch.cuda.CUDAGraph(), 0, False
 
     def replay():
-        nonlocal calls
+        nonlocal calls, failed
         calls += 1
+        if failed:
+            return step()
         if calls <= warmup_steps:
             side_stream = torch.cuda.Stream()
             side_stream.wait_stream(torch.cuda.current_stream())
@@ -216,8 +231,14 @@ def cuda_graph(step, warmup_steps=3):
             torch.cuda.current_stream().wait_stream(side_stream)
             return
         if calls == warmup_steps + 1:
-            with torch.cuda.graph(graph):  # records the step's kernels; runs none of them
-                step()
+            try:
+                with torch.cuda.graph(graph):  # records the step's kernels; runs none of them
+                    step()
+            except Exception as error:  # an op that cannot be captured: the run goes on uncaptured, not lost
+                failed = True
+                why = (str(error).strip().splitlines() or [""])[0][:160]
+                print(f"step: not captured ({type(error).__name__}: {why}); running it as a function from step {calls}")
+                return step()  # the capture recorded this step but ran none of it
         graph.replay()
     return replay
 
@@ -235,42 +256,44 @@ def capture_problem(device, amp_dtype, optimizer):
 def train_one_epoch(run, train_data, epoch, monitor):
     """One pass over `train_data`; returns mean loss, accuracy, optimizer steps and images trained on."""
     run.model.train()
-    # opt4: the epoch's batches are drawn on the device at once and gathered there by index: no loader, no workers,
-    # no host-to-device copy; its crops, flips and learning rates likewise, so the step needs nothing from the host
-    draw_epoch(run, len(train_data[1]), epoch)
-    steps = len(run.plan.schedule)
-    for _ in range(steps):
+    all_images, all_labels = train_data
+    accum_steps = run.args.accum_steps
+    # opt3: the epoch's batches are drawn on the device at once and gathered there by index: no loader, no workers,
+    # no host-to-device copy; its crops and flips likewise
+    plan_epoch(run, len(all_labels), epoch)
+    # opt3: losses and correct counts stay on the device: reading them per step would wait for the GPU
+    losses, correct = run.plan.losses, run.plan.correct
+    # opt4: each step is one call that reads the plan: on a GPU, one graph replayed
+    for _ in range(len(run.plan.schedule)):
         run.train_step()
         monitor.step()
-    # opt4: the one wait for the device per epoch (in float16 GradScaler adds one per step, for the found-inf flag it
-    # reads on the host); a non-finite loss is found here, not at its step
-    losses = run.plan.losses
+    # opt3: the one wait for the device per epoch; a non-finite loss is found here, not at its step
     for micro_step, loss_value in enumerate(losses.tolist()):
-        common.check_finite(loss_value, epoch, micro_step // run.args.accum_steps + 1)
+        common.check_finite(loss_value, epoch, micro_step // accum_steps + 1)
     images_seen = len(losses) * run.args.batch_size
-    return losses.mean().item(), run.plan.correct.item() / images_seen, steps, images_seen
+    return losses.mean().item(), correct.item() / images_seen, len(losses) // accum_steps, images_seen
 
 
 def evaluate(run, test_data):
     """Mean loss and accuracy of the model on `test_data`."""
     run.model.eval()
     all_images, all_labels = test_data
-    batch_size = run.args.batch_size
-    # opt4: the totals stay on the device: one read at the end, not one wait per batch
+    # opt3: each image and its mirror in one batch of --batch-size: the shape cuDNN's autotuner timed in training
+    batch_size = max(1, run.args.batch_size // 2)
+    # opt3: the totals stay on the device: one read at the end, not one wait per batch
     total_loss = torch.zeros((), device=run.device)
     correct = torch.zeros((), dtype=torch.long, device=run.device)
     with torch.inference_mode():  # opt2: like no_grad, and also skips autograd's version tracking
         for start in range(0, len(all_labels), batch_size):
             images = normalize(all_images[start:start + batch_size], run.statistics)
-            # opt1: the last batch padded with blank images to a full one (their outputs are dropped): one shape, so
-            # one compiled evaluation graph, not another for the last few images
-            images = F.pad(images, (0, 0, 0, 0, 0, 0, 0, batch_size - len(images)))
-            images = images.contiguous(memory_format=torch.channels_last)
             labels = all_labels[start:start + batch_size]
+            # opt1: the last batch padded with blank images to a full one (their outputs are dropped): one shape
+            images = torch.cat([images, images.new_zeros(batch_size - len(images), *images.shape[1:])])
+            images = torch.cat([images, images.flip(3)]).contiguous(memory_format=torch.channels_last)
             # opt1: 16-bit here too
             with torch.autocast(run.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32):
-                # opt4: average the logits of each image and its mirror (test-time augmentation), in one call
-                outputs = run.model(torch.cat([images, images.flip(3)])).view(2, batch_size, -1).mean(0)[:len(labels)]
+                # opt3: average the logits of each image and its mirror (test-time augmentation), in one call
+                outputs = run.model(images).view(2, batch_size, -1).mean(0)[:len(labels)]
             total_loss += F.cross_entropy(outputs.float(), labels, reduction="sum")  # opt1: on float32 logits
             correct += (outputs.argmax(1) == labels).sum()
     return total_loss.item() / len(all_labels), correct.item() / len(all_labels)
@@ -285,7 +308,7 @@ def main():
     print(f"precision: {why}")
     torch.manual_seed(args.seed)
 
-    # opt4: the whole dataset lives on the device as uint8 (180 MB): 4x less to move than float32,
+    # opt3: the whole dataset lives on the device as uint8 (180 MB): 4x less to move than float32,
     # and no loader, workers or host-to-device copy per step; normalize() and augment() run per batch
     train_set, test_set = common.load_data(args, train_transform=None, test_transform=None)
     train_data, test_data = load_to_device(train_set, device), load_to_device(test_set, device)
@@ -293,13 +316,10 @@ def main():
 
     # opt1: cuDNN times its convolution algorithms once per input shape and keeps the fastest
     torch.backends.cudnn.benchmark = True
-    # opt4: channels_last (NHWC) is the layout tensor cores and the CPU's oneDNN convolutions run fastest
+    # opt3: channels_last (NHWC) is the layout tensor cores and the CPU's oneDNN convolutions run fastest
     model = common.ResNet10().to(device, memory_format=torch.channels_last)
-    # opt4: not compiled by default: the capture, not the compiler, removes the host's cost per step. On an H200 the
-    # step captured uncompiled took 1.81 ms, compiled 1.40, for ~38 s of compiling; on a CPU it saved nothing
     if args.compile:
-        # opt1: fuses operations into fewer kernels: less memory traffic and Python overhead
-        model.compile(mode=args.compile_mode)
+        model.compile(mode=args.compile_mode)  # opt1: fuses operations into fewer kernels: less memory traffic
     # opt2: label smoothing keeps the logits from growing without bound: better accuracy in few epochs
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     # opt1: AdamW scales each weight's step by its recent gradients, so one rate suits every layer untuned
@@ -307,7 +327,7 @@ def main():
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bfloat16 needs no scaling
     # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a
     # fixed rate; its length counts optimizer steps, not micro-batches
-    steps_per_epoch = len(train_data[1]) // args.batch_size // args.accum_steps
+    steps_per_epoch = len(train_set) // args.batch_size // args.accum_steps
     total_steps = args.epochs * steps_per_epoch
     if total_steps < 5:
         common.fail(f"{total_steps} optimizer steps in all are too few for OneCycleLR's warm-up (it needs 5); "
@@ -324,6 +344,7 @@ def main():
         generator=generator,
         train_data=train_data,
         statistics=channel_statistics(device),
+        # opt4: the schedule as a table on the device, and the plan: the buffers every step reads and writes
         schedule=onecycle_schedule(args.lr, total_steps, device),
         plan=empty_plan(steps_per_epoch, args, device),
     )

@@ -30,11 +30,12 @@ def parse_args():
     # 128 (1,940), and a GPU's small step costs its fixed per-step time, not its images: 90.5 % on the test set
     # (5 epochs of 128: 86.4 %) in 4.1 s of modelled H200 time (2.3 s); lr 0.016 = 0.008 x sqrt(4), for 4x the batch
     parser = harness.build_parser(__doc__, batch_size=512, lr=0.016, epochs=20)
+    # opt3: off by default: on an H200 compiling took ~38 s with an empty cache, more than all 1,950 steps of a
+    # 5-epoch run take uncompiled (~7 ms each); on a 2-core CPU it saved nothing a step
+    # opt4: captured, a step took 1.81 ms uncompiled and 1.40 compiled: ~38 s of compiling pays after ~90,000 steps
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
-                        help="torch.compile the model, a graph per image size, inside the captured step. On an H200 "
-                             "the recipe's step compiled whole (older code) and captured took 2.1 / 3.0 / 4.0 ms at 16 "
-                             "/ 24 / 32 px against 1.86 / 3.16 / 4.79 ms captured uncompiled (with AdamW alone), and "
-                             "its run spent ~82 s of 104 compiling with an empty cache (default: off)")
+                        help="torch.compile the model, a graph per image size, inside the captured step; it pays only "
+                             "where the steps outlast its compiling (~80 s for the recipe's 3 sizes) (default: off)")
     parser.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"],
                         help="max-autotune-no-cudagraphs times kernel variants for minutes, longer than a short run; "
                              "the modes that capture CUDA graphs themselves are not offered: the script captures the "
@@ -123,7 +124,7 @@ def rank_slice(size, rank, world_size):
 def autocast_dtype(device):
     """The 16-bit type `device` runs natively, or float32 where it has none; and why, in words, for the log."""
     if device.type == "cuda":
-        # opt4: bfloat16 where the GPU runs it natively (Ampere, sm_80, and newer): float32's range, so no
+        # opt3: bfloat16 where the GPU runs it natively (Ampere, sm_80, and newer): float32's range, so no
         # GradScaler and no skipped steps. Not is_bf16_supported() alone: it also counts GPUs that only
         # emulate bfloat16 (T4, sm_75), where inductor will not compile it and the model would run eager and slow
         if torch.cuda.is_bf16_supported(including_emulation=False):
@@ -198,22 +199,31 @@ def empty_plan(steps, args, device):
     )
 
 
-def draw_epoch(run, size, epoch):
-    """Fill the plan for `epoch` of a training set of `size` images: a fresh permutation cut into full batches (the few
-    images left over change each epoch; every batch is full, so the step sees one shape), every image's crop and flip,
-    and the epoch's rows of the schedule. copy_ writes into the buffers the step reads, at the addresses it knows."""
-    plan, generator, device = run.plan, run.generator, run.device
-    rows, batch_size = plan.batches.shape
-    permutation = torch.randperm(size, device=device, generator=generator)
+def draw_epoch(run, size):
+    """One epoch of a training set of `size` images, drawn on the device: a fresh permutation cut into full
+    micro-batches (the few images left over change each epoch; every batch is full, so the step sees one shape), and
+    every image's crop offsets and flip."""
+    args, generator, device = run.args, run.generator, run.device
     # opt6: every rank draws the same permutation (same seed) and cuts it into global batches of world_size x
     # batch_size; rank r takes the r-th slice of each, so the shares are disjoint
-    global_batch = batch_size * run.world_size
-    plan.batches.copy_(permutation[:rows * global_batch].view(rows, run.world_size, batch_size)[:, run.rank])
+    global_batch, batch_size = args.batch_size * run.world_size, args.batch_size
+    rows = size // (global_batch * args.accum_steps) * args.accum_steps
+    permutation = torch.randperm(size, device=device, generator=generator)
+    batches = permutation[:rows * global_batch].view(rows, run.world_size, batch_size)[:, run.rank]
     crop_offsets, generator = 2 * common.CROP_PADDING + 1, run.augment_generator  # opt6: each rank its own crops
-    plan.offsets.copy_(torch.randint(0, crop_offsets, plan.offsets.shape, device=device, generator=generator))
-    plan.flips.copy_(torch.rand(plan.flips.shape, device=device, generator=generator) < 0.5)
-    steps = len(plan.schedule)
-    plan.schedule.copy_(run.schedule[(epoch - 1) * steps:epoch * steps])
+    offsets = torch.randint(0, crop_offsets, (rows, 2, batch_size, 1), device=device, generator=generator)
+    flips = torch.rand((rows, batch_size, 1), device=device, generator=generator) < 0.5
+    return batches, offsets, flips
+
+
+def plan_epoch(run, size, epoch):
+    """Draw `epoch` (draw_epoch) into the plan, with its rows of the schedule, and start its counters at 0."""
+    plan, steps = run.plan, len(run.plan.schedule)
+    batches, offsets, flips = draw_epoch(run, size)
+    # opt4: copy_ writes into the buffers the captured step reads, at the addresses it was captured with
+    for buffer, values in ((plan.batches, batches), (plan.offsets, offsets), (plan.flips, flips),
+                           (plan.schedule, run.schedule[(epoch - 1) * steps:epoch * steps])):
+        buffer.copy_(values)
     for counter in (plan.step, plan.losses, plan.correct):
         counter.zero_()
 
@@ -222,10 +232,10 @@ def onecycle_schedule(max_lr, total_steps, device):
     """OneCycleLR's learning rate for every optimizer step, on `device`.
 
     torch's own scheduler computes them, stepped here once on a stand-in optimizer: a step reads its rate, so no
-    scheduler runs on the host between steps and no rate is baked into a captured step. beta1 stays at AdamW's 0.9
-    (cycle_momentum=False): fused AdamW takes it as a number, which a captured step would keep.
+    scheduler runs on the host between steps and no rate is baked into a captured step.
     """
     stand_in = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=max_lr)
+    # opt4: beta1 stays at AdamW's 0.9 (no cycle_momentum): fused AdamW takes it as a number, which a capture keeps
     scheduler = torch.optim.lr_scheduler.OneCycleLR(stand_in, max_lr=max_lr, total_steps=total_steps, pct_start=0.25,
                                                     cycle_momentum=False)
     rates = []
@@ -238,8 +248,8 @@ def onecycle_schedule(max_lr, total_steps, device):
 
 def adamw(parameters, lr, device):
     """torch's fused AdamW (weight decay 0.05) with its learning rate in a tensor on `device`."""
-    # opt4: fused: one kernel updates every weight (a few on a GPU), not a dozen ops each, its step count kept on the
-    # device. The schedule writes the rate into the tensor in place: a float would be baked into the captured step.
+    # opt3: fused: one kernel updates every weight (a few on a GPU), not a dozen ops each
+    # opt4: the rate in a tensor, which the schedule writes in place: a float would be baked into the captured step.
     # capturable: without it torch refuses to capture the update (fused AdamW computes the same either way)
     return torch.optim.AdamW(parameters, lr=torch.tensor(lr, device=device), weight_decay=0.05, fused=True,
                              capturable=True)
@@ -310,10 +320,11 @@ def micro_batch_loss(run, micro_batch, size):
     device, normalized, cropped, flipped and shrunk to size x size, the model's loss over them (divided by
     --accum-steps), and its loss and correct count kept on the device."""
     plan, (all_images, all_labels) = run.plan, run.train_data
+    # opt4: the micro-batch's row found on the device, by the plan's counter: a Python index would be baked into the
+    # captured step. The row is a 1-element tensor, so each gather keeps a leading dimension of 1: squeeze(0)
     row = plan.step * run.args.accum_steps + micro_batch
-    indices = plan.batches[row].squeeze(0)
-    # opt4: normalize, crop and flip the whole batch on the device; channels_last for the model
-    offsets, flips = plan.offsets[row].squeeze(0), plan.flips[row].squeeze(0)
+    indices, offsets, flips = plan.batches[row].squeeze(0), plan.offsets[row].squeeze(0), plan.flips[row].squeeze(0)
+    # opt3: normalize, crop and flip the whole batch on the device; channels_last for the model
     images = augment(normalize(all_images[indices], run.statistics), offsets, flips)
     # opt5: progressive resizing: a convolution's work scales with the pixels, so a 16x16 epoch has a quarter of a
     # 32x32 one's; ResNet10 pools globally, so it takes any size, and the last epochs teach it 32x32
@@ -325,24 +336,21 @@ def micro_batch_loss(run, micro_batch, size):
                         cache_enabled=False):
         outputs = run.model(images)
         loss = run.criterion(outputs, labels)
-    # opt4: losses and correct counts stay on the device: reading them per step would wait for the GPU
+    # opt4: into the plan's buffers: the captured step writes the same addresses every replay
     plan.losses[row] = loss.detach()
-    plan.correct.add_((outputs.argmax(1) == labels).sum())  # add_: `+=` would store the attribute, a graph break
+    plan.correct += (outputs.argmax(1) == labels).sum()
     return loss / run.args.accum_steps  # opt2: the mean over the effective batch
 
 
 def optimizer_step(run):
     """The update that ends a step: the plan's learning rate for this step written into the optimizer's own tensor,
-    the step, the gradients dropped, and the counter moved on."""
+    the step, and the counter moved on."""
     plan = run.plan
     for group in run.optimizer.param_groups:
         group["lr"].copy_(plan.schedule[plan.step].squeeze(0))  # opt4: the schedule reaches the optimizer on the device
     run.scaler.step(run.optimizer)
     run.scaler.update()
-    # opt4: set_to_none: backward writes each gradient afresh, no zeroing pass
-    # opt6: but not under DDP, whose kept gradients are views of its all-reduce buckets (see train)
-    run.optimizer.zero_grad(set_to_none=run.world_size == 1)
-    plan.step.add_(1)
+    plan.step += 1
 
 
 def train_step(run, size):
@@ -352,6 +360,10 @@ def train_step(run, size):
     counter) and nothing is read back: every call is the same work on tensors at the same addresses, so the host
     need not wait for it and a GPU can replay it as one CUDA graph.
     """
+    # opt4: the gradients dropped at the start, as in PyTorch's whole-network capture: backward then makes them in the
+    # graph's own memory, and a step run again after a failed capture starts without the half-recorded ones
+    # opt6: but zeroed under DDP, whose kept gradients are views of its all-reduce buckets (see train)
+    run.optimizer.zero_grad(set_to_none=run.world_size == 1)
     for micro_batch in range(run.args.accum_steps):
         # opt6: DDP all-reduces the gradients in the backward of a step's last micro-batch only (as no_sync() does)
         run.model.require_backward_grad_sync = micro_batch + 1 == run.args.accum_steps
@@ -365,12 +377,15 @@ def cuda_graph(step, warmup_steps=3):
     """`step` (a function of no arguments) as a function that replays it as one CUDA graph: its first `warmup_steps`
     calls run it as itself on a side stream, as PyTorch's whole-network capture does (compiling, cuDNN's autotuning
     and the optimizer's first state happen there, not in the graph); the next captures it once; then each replays it.
+    A capture that fails says why in one line; that call and every later one then run `step` as itself.
     """
-    graph, calls = torch.cuda.CUDAGraph(), 0
+    graph, calls, failed = torch.cuda.CUDAGraph(), 0, False
 
     def replay():
-        nonlocal calls
+        nonlocal calls, failed
         calls += 1
+        if failed:
+            return step()
         if calls <= warmup_steps:
             side_stream = torch.cuda.Stream()
             side_stream.wait_stream(torch.cuda.current_stream())
@@ -379,8 +394,14 @@ def cuda_graph(step, warmup_steps=3):
             torch.cuda.current_stream().wait_stream(side_stream)
             return
         if calls == warmup_steps + 1:
-            with torch.cuda.graph(graph):  # records the step's kernels; runs none of them
-                step()
+            try:
+                with torch.cuda.graph(graph):  # records the step's kernels; runs none of them
+                    step()
+            except Exception as error:  # an op that cannot be captured: the run goes on uncaptured, not lost
+                failed = True
+                why = (str(error).strip().splitlines() or [""])[0][:160]
+                print(f"step: not captured ({type(error).__name__}: {why}); running it as a function from step {calls}")
+                return step()  # the capture recorded this step but ran none of it
         graph.replay()
     return replay
 
@@ -401,25 +422,27 @@ def capture_problem(device, amp_dtype, optimizer, world_size):
 def train_one_epoch(run, train_data, epoch, monitor, size):
     """One pass over `train_data`; returns mean loss, accuracy, optimizer steps and images trained on."""
     run.model.train()
-    # opt4: the epoch's batches are drawn on the device at once and gathered there by index: no loader, no workers,
-    # no host-to-device copy; its crops, flips and learning rates likewise, so the step needs nothing from the host
-    draw_epoch(run, len(train_data[1]), epoch)
-    steps = len(run.plan.schedule)
-    for _ in range(steps):
+    all_images, all_labels = train_data
+    accum_steps = run.args.accum_steps
+    # opt3: the epoch's batches are drawn on the device at once and gathered there by index: no loader, no workers,
+    # no host-to-device copy; its crops and flips likewise
+    plan_epoch(run, len(all_labels), epoch)
+    # opt3: losses and correct counts stay on the device: reading them per step would wait for the GPU
+    losses, correct = run.plan.losses, run.plan.correct
+    # opt4: each step is one call that reads the plan: on a GPU, one graph replayed
+    for _ in range(len(run.plan.schedule)):
         run.train_steps[size]()
         monitor.step()
-    # opt4: the one wait for the device per epoch (in float16 GradScaler adds one per step, for the found-inf flag it
-    # reads on the host); a non-finite loss is found here, not at its step
-    losses = run.plan.losses
+    # opt3: the one wait for the device per epoch; a non-finite loss is found here, not at its step
     for micro_step, loss_value in enumerate(losses.tolist()):
-        common.check_finite(loss_value, epoch, micro_step // run.args.accum_steps + 1)
+        common.check_finite(loss_value, epoch, micro_step // accum_steps + 1)
     micro_batches = torch.tensor(float(len(losses)), device=run.device)
-    totals = torch.stack([losses.sum(), run.plan.correct.to(losses.dtype), micro_batches])
+    totals = torch.stack([losses.sum(), correct.to(losses.dtype), micro_batches])
     if run.world_size > 1:
         dist.all_reduce(totals)  # opt6: loss, accuracy and images/s count every rank's share
     loss_sum, correct_sum, micro_batches = totals.tolist()
     images_seen = int(micro_batches) * run.args.batch_size
-    return loss_sum / micro_batches, correct_sum / images_seen, steps, images_seen
+    return loss_sum / micro_batches, correct_sum / images_seen, len(losses) // accum_steps, images_seen
 
 
 # opt5: eager even with --compile: compiled, it compiled again at each image size, about 15 s of the H200's 128-s run;
@@ -431,21 +454,24 @@ def evaluate(run, test_data, size):
     test_size = len(test_data[1])
     # opt6: each rank evaluates its own slice of the test set; the slices' sums are added up at the end
     all_images, all_labels = (data[rank_slice(test_size, run.rank, run.world_size)] for data in test_data)
-    batch_size = run.args.batch_size
-    # opt4: the totals stay on the device: one read at the end, not one wait per batch
+    # opt3: each image and its mirror in one batch of --batch-size: the shape cuDNN's autotuner timed in training
+    batch_size = max(1, run.args.batch_size // 2)
+    # opt3: the totals stay on the device: one read at the end, not one wait per batch
     total_loss = torch.zeros((), device=run.device)
     correct = torch.zeros((), dtype=torch.long, device=run.device)
     with torch.inference_mode():  # opt2: like no_grad, and also skips autograd's version tracking
         for start in range(0, len(all_labels), batch_size):
             images = normalize(all_images[start:start + batch_size], run.statistics)
-            # opt5: at the size just trained on: its BatchNorm statistics are of images that size. The last batch is
-            # not padded to a full one: nothing here is compiled for one shape
-            images = downscale(images, size).contiguous(memory_format=torch.channels_last)
             labels = all_labels[start:start + batch_size]
+            # opt1: the last batch padded with blank images to a full one (their outputs are dropped): one shape
+            images = torch.cat([images, images.new_zeros(batch_size - len(images), *images.shape[1:])])
+            images = torch.cat([images, images.flip(3)])
+            # opt5: at the size just trained on: its BatchNorm statistics are of images that size
+            images = downscale(images, size).contiguous(memory_format=torch.channels_last)
             # opt1: 16-bit here too
             with torch.autocast(run.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32):
-                # opt4: average the logits of each image and its mirror (test-time augmentation), in one call
-                outputs = run.model(torch.cat([images, images.flip(3)])).view(2, len(labels), -1).mean(0)
+                # opt3: average the logits of each image and its mirror (test-time augmentation), in one call
+                outputs = run.model(images).view(2, batch_size, -1).mean(0)[:len(labels)]
             total_loss += F.cross_entropy(outputs.float(), labels, reduction="sum")  # opt1: on float32 logits
             correct += (outputs.argmax(1) == labels).sum()
     totals = torch.stack([total_loss, correct.to(total_loss.dtype)])
@@ -460,10 +486,8 @@ def main():
     rank, world_size, device = setup_distributed(harness.pick_device(args))
     train(args, rank, world_size, device)
     if world_size > 1:
-        # opt6: the ranks leave together, and this thread keeps the barrier's handle until the process group is gone:
-        # on torch 2.6 (Gloo), whichever thread lets go of it last frees the collectives still in flight when it began,
-        # their tensors included; on Gloo's worker thread that waits for the GIL, which this thread holds while
-        # destroy_process_group waits for that worker: both would wait for ever, and torchrun with them
+        # opt6: the ranks leave together; this thread holds the barrier's handle until the process group is gone
+        # (letting go of it first could hang Gloo's shutdown on torch 2.6)
         barrier = dist.barrier(async_op=True)
         barrier.wait()
         dist.destroy_process_group()
@@ -480,7 +504,7 @@ def train(args, rank, world_size, device):
           f"(--batch-size x world size x --accum-steps)")
     torch.manual_seed(args.seed)
 
-    # opt4: the whole dataset lives on the device as uint8 (180 MB): 4x less to move than float32,
+    # opt3: the whole dataset lives on the device as uint8 (180 MB): 4x less to move than float32,
     # and no loader, workers or host-to-device copy per step; normalize() and augment() run per batch
     with rank_zero_first(world_size):  # opt6: one download per machine, each after rank 0's
         train_set, test_set = common.load_data(args, train_transform=None, test_transform=None)
@@ -490,7 +514,7 @@ def train(args, rank, world_size, device):
 
     # opt1: cuDNN times its convolution algorithms once per input shape and keeps the fastest
     torch.backends.cudnn.benchmark = True
-    # opt4: channels_last (NHWC) is the layout tensor cores and the CPU's oneDNN convolutions run fastest
+    # opt3: channels_last (NHWC) is the layout tensor cores and the CPU's oneDNN convolutions run fastest
     model = common.ResNet10().to(device, memory_format=torch.channels_last)
     # opt6: under DDP the gradients are kept and zeroed, not dropped: they are views of its all-reduce buckets, and
     # set to None every step would copy them
@@ -500,27 +524,20 @@ def train(args, rank, world_size, device):
     train_model = model
     if world_size > 1:
         # opt6: DDP averages gradients over the ranks in buckets, each sent as soon as its gradients are ready, so
-        # communication overlaps the rest of the backward pass. ResNet10 has 19.6 MB of them: after the first step
-        # DDP rebuilds its buckets in the order they became ready: layer 4's last conv and what follows it (10.0 MB:
-        # the first bucket closes past 1 MiB), then the rest. Compiled, Dynamo's DDPOptimizer cuts the graph at the
-        # same mark (before that conv), so the first all-reduce runs during the backward of all the layers before it,
-        # most of the work; the second waits for the backward's end (read off torch 2.15, Gloo, 2 ranks). The kept
-        # gradients are views of the buckets (no copy); no BatchNorm broadcast before every forward
-        # (average_batchnorm_statistics)
+        # communication overlaps the rest of the backward pass; the kept gradients are views of the buckets (no copy).
+        # broadcast_buffers=False (forward_sync_buffers=False from torch 2.13, as harness.no_buffer_broadcast names it
+        # for this torch): no broadcast of rank 0's BatchNorm statistics before every forward, which
+        # average_batchnorm_statistics replaces
         train_model = DistributedDataParallel(
             model, device_ids=[device] if device.type == "cuda" else None, gradient_as_bucket_view=True,
             **harness.no_buffer_broadcast())
     # opt6: off under DDP too, where the step is not captured: whether compiling pays there is not measured
-    # opt4: not compiled by default: the capture, not the compiler, removes the host's cost per step. On an H200 the
-    # step captured uncompiled took 1.81 ms, compiled 1.40, for ~38 s of compiling; on a CPU it saved nothing
     if args.compile:
-        # opt1: fuses operations into fewer kernels: less memory traffic and Python overhead
-        # opt5: dynamic=False compiles a graph for each image size. With the sizes symbolic (dynamic=True) inductor
-        # still recompiles at each size (its convolution backward specializes on it, torch 2.14), and its kernels
-        # are less specialized
+        # opt5: dynamic=False: a graph for each image size; with symbolic sizes (dynamic=True) inductor still
+        # recompiles at each one (its convolution backward specializes on it, torch 2.14), with less specialized kernels
         # opt6: DDP's wrapper compiled, not the model inside it: Dynamo's DDPOptimizer then splits the graph at DDP's
-        # buckets (above)
-        train_model.compile(mode=args.compile_mode, dynamic=False)
+        # buckets, so each bucket's all-reduce overlaps the backward of the layers before it
+        train_model.compile(mode=args.compile_mode, dynamic=False)  # opt1: fuses operations into fewer kernels
     # opt2: label smoothing keeps the logits from growing without bound: better accuracy in few epochs
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     # opt6: --lr is the rate for one process's step of --batch-size x --accum-steps images, as in opt5; world_size
@@ -539,7 +556,7 @@ def train(args, rank, world_size, device):
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bfloat16 needs no scaling
     # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a
     # fixed rate; its length counts optimizer steps, not micro-batches
-    steps_per_epoch = len(train_data[1]) // (args.batch_size * world_size) // args.accum_steps
+    steps_per_epoch = len(train_set) // (args.batch_size * world_size) // args.accum_steps
     total_steps = args.epochs * steps_per_epoch
     if total_steps < 5:
         common.fail(f"{total_steps} optimizer steps in all are too few for OneCycleLR's warm-up (it needs 5); "
@@ -559,11 +576,12 @@ def train(args, rank, world_size, device):
         world_size=world_size,
         train_data=train_data,
         statistics=channel_statistics(device),
+        # opt4: the schedule as a table on the device, and the plan: the buffers every step reads and writes
         schedule=onecycle_schedule(max_lr, total_steps, device),
         plan=empty_plan(steps_per_epoch, args, device),
     )
-    sizes = {image_size(epoch, args.epochs, args.min_size, full_size=train_data[0].shape[-1])
-             for epoch in range(1, args.epochs + 1)}
+    full_size = train_set.data.shape[1]  # opt5: CIFAR-10's 32 x 32, the size the last epochs train on
+    sizes = {image_size(epoch, args.epochs, args.min_size, full_size) for epoch in range(1, args.epochs + 1)}
     run.train_steps = {size: functools.partial(train_step, run, size) for size in sizes}
     why_not = capture_problem(device, amp_dtype, optimizer, world_size)
     if why_not is None:
@@ -575,12 +593,12 @@ def train(args, rank, world_size, device):
     # opt5: after each epoch but the last, a fixed random subset of the test set shows the curve at a small cost
     # (1,000 images: about 1 % of a 32x32 epoch's work; the first 1,000 of a set stored by class would be one class);
     # the last epoch evaluates them all
-    subset = torch.randperm(len(test_data[1]), generator=torch.Generator().manual_seed(args.seed))[:args.monitor_size]
+    subset = torch.randperm(len(test_set), generator=torch.Generator().manual_seed(args.seed))[:args.monitor_size]
     monitor_data = [data[subset.to(device)] for data in test_data]
     records = []
     start = common.now(device)
     for epoch in range(1, args.epochs + 1):
-        size = image_size(epoch, args.epochs, args.min_size, full_size=train_data[0].shape[-1])
+        size = image_size(epoch, args.epochs, args.min_size, full_size)
         profile_dir = args.profile if epoch == args.epochs and rank == 0 else None
         with harness.step_monitor(epoch, profile_dir, device) as monitor:
             epoch_start = common.now(device)

@@ -12,6 +12,7 @@ launch-to-result time as a share of opt4 --epochs 5's on the same CPU (one file 
 training scripts do not).
 """
 import argparse
+import difflib
 import json
 import re
 import shlex
@@ -24,13 +25,14 @@ import benchmark
 import common
 import harness
 
-CHAIN = ["baseline.py", "opt1.py", "opt2.py", "opt4.py"]
+CHAIN = ["baseline.py", "opt1.py", "opt2.py", "opt3.py", "opt4.py"]
 CONVERGENCE = ["opt4.py", "opt5.py"]  # the step opt5 takes, and the rung it is measured against
 DEFAULT_EPOCHS = 5  # opt4's --epochs default, and opt5's before the recipe: the runs the curve summary compares
 OPTIMIZER_NAMES = {"opt5.py muon": "Muon", "opt5.py adamw": "AdamW"}
 CHAIN_ORDER = {script: index for index, script in enumerate(benchmark.SCRIPTS)}
-# The chain on an H200 after the whole step moved onto the device; and before it (--gpu gives those to --tables)
-GPU_RUNS = [f"results/h200-38c59a9/{name}.jsonl" for name in ("chain-cold-cache", "opt5-cold-cache")]
+# The chain on an H200 after the whole step moved onto the device; and before it (--gpu gives those to --tables).
+# Data files keep the names their runs had: opt4-cold-cache.jsonl is today's opt5 (the recipe)
+GPU_RUNS = [f"results/h200-38c59a9/{name}.jsonl" for name in ("chain-cold-cache", "opt4-cold-cache")]
 GPU_RUNS_BEFORE = [f"results/h200-410ebec/{name}.jsonl" for name in ("chain-cold-cache", "warm-cache", "bigger-batch")]
 
 
@@ -103,23 +105,31 @@ def gpu_words(runs):
 REPORT_CALL = re.compile(r"harness\.report\(|^\s+extra=\{")
 
 
-def changed_since(commit, scripts):
-    """The scripts whose code differs from `commit`'s in more than their report call, by git (common.py and
-    harness.py not counted: they hold no optimization); None where git or the commit is not at hand."""
-    changed = []
-    for script in scripts:
-        try:
-            diff = subprocess.run(["git", "diff", "-U0", commit, "--", script], capture_output=True, text=True,
-                                  cwd=Path(__file__).resolve().parent, timeout=30)
+def changed_since(commit, names):
+    """The scripts whose code today differs from `commit`'s in more than their report call; `names` gives each
+    (today's name) its name at that commit, the one its rows ran under (`scripts_then`). None where git, the commit or
+    the file then is not at hand (common.py and harness.py not counted: they hold no optimization)."""
+    changed, root = [], Path(__file__).resolve().parent
+    for script, then in names.items():
+        try:  # git show, not git diff: the file may have had another name then
+            old = subprocess.run(["git", "show", f"{commit}:{then}"], capture_output=True, text=True, cwd=root,
+                                 timeout=30)
         except (OSError, subprocess.SubprocessError):
             return None
-        if diff.returncode != 0:
+        if old.returncode != 0:
             return None
-        lines = [line[1:] for line in diff.stdout.splitlines()
-                 if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+        before, now = old.stdout.splitlines(), (root / script).read_text().splitlines()
+        matcher = difflib.SequenceMatcher(None, before, now, autojunk=False)
+        lines = [line for tag, start, end, new_start, new_end in matcher.get_opcodes() if tag != "equal"
+                 for line in before[start:end] + now[new_start:new_end]]
         if any(not REPORT_CALL.search(line) for line in lines):
             changed.append(script)
     return changed
+
+
+def scripts_then(runs):
+    """{today's name: the name it ran under} of the scripts of `runs` (gpu_runs')."""
+    return {run["script"]: run["ran_as"] for script_runs in runs.values() for run in script_runs}
 
 
 def draw_gpu(runs, out, words):
@@ -166,21 +176,53 @@ def draw_gpu(runs, out, words):
     time_axis.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=3)
     for axis in (speed_axis, time_axis):
         axis.grid(alpha=0.3, axis="x" if axis is time_axis else "y")
-    changed = changed_since(next(iter(runs.values()))[0]["commit"], [row["name"].split()[0] for row in rows])
+    changed = changed_since(next(iter(runs.values()))[0]["commit"], scripts_then(runs))
     since = "whether the scripts changed since: not known (no git history)" if changed is None else \
         "each script's code is today's" if not changed else \
-        f"changed since: {', '.join(name.removesuffix('.py') for name in sorted(changed))} (their current code is not " \
-        f"measured on a GPU)"
+        f"changed since: {', '.join(name.removesuffix('.py') for name in sorted(changed))} " \
+        f"(their current code is not measured on a GPU)"
     figure.suptitle(f"fast-cifar: ResNet10 on CIFAR-10 on one GPU: {words}\n{since}", fontsize=10, y=0.995)
     figure.tight_layout()
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out)
 
 
+# A row without "chain" (harness.CHAIN_NUMBERING) names the scripts as they were before opt3 was split in two
+# (results/README.md): today's opt4 was opt3.py, the recipe opt4.py, DDP opt5.py
+BEFORE_THE_SPLIT = {"opt3.py": "opt4.py", "opt4.py": "opt5.py", "opt5.py": "opt6.py"}
+# and before e8e4e0a, committed at this time (a row's "date" is its machine's clock), opt4.py was the DDP script
+OPT4_WAS_DDP_UNTIL = "2026-11-24T01:46:32"
+
+
+def todays_name(script, row):
+    """`script` ("opt3.py") as `row`, a --json line, names it, by today's name."""
+    if row.get("chain", 1) >= 2:
+        return script
+    if script == "opt4.py" and row.get("date", OPT4_WAS_DDP_UNTIL) < OPT4_WAS_DDP_UNTIL:
+        return "opt6.py"
+    return BEFORE_THE_SPLIT.get(script, script)
+
+
+def read_row(row):
+    """A --json line with the scripts it names by today's names: its script (the one it ran kept as "ran_as"), and
+    the words "optN" in an ablation row's change and a benchmark summary's rows. The file is never rewritten."""
+    def today(words):
+        return re.sub(r"\bopt\d\b", lambda word: todays_name(f"{word[0]}.py", row).removesuffix(".py"), words)
+
+    row = dict(row)
+    if "script" in row:
+        row.update(script=todays_name(row["script"], row), ran_as=row["script"])
+    if "change" in row:
+        row["change"] = today(row["change"])
+    if "rows" in row:
+        row["rows"] = [{**summary_row, "name": today(summary_row["name"])} for summary_row in row["rows"]]
+    return row
+
+
 def read_lines(path):
-    """Every JSON line of `path`; exit 2 with one line if it is missing or not JSON lines."""
+    """Every JSON line of `path`, read through read_row; exit 2 with one line if it is missing or not JSON lines."""
     try:
-        return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+        return [read_row(json.loads(line)) for line in Path(path).read_text().splitlines() if line.strip()]
     except (OSError, json.JSONDecodeError) as error:
         common.fail(f"cannot read {path} ({type(error).__name__}: {error}); make it with the scripts' --json")
 
@@ -189,7 +231,7 @@ def latest_run_per_script(lines):
     """The last real-CIFAR-10 report of each chain script, in chain order."""
     runs = {line["script"]: line for line in lines if line.get("data") == "cifar10" and line.get("script") in CHAIN}
     if not runs:
-        common.fail("no real-CIFAR-10 run of baseline.py, opt1.py, opt2.py or opt4.py in --runs")
+        common.fail(f"no real-CIFAR-10 run of {', '.join(CHAIN)} in --runs")
     return [runs[script] for script in CHAIN if script in runs]
 
 
@@ -323,7 +365,7 @@ def recipe_table(runs):
     return lines
 
 
-# opt5's defaults since the recipe work (issue 47); a test checks opt5.py's parser gives them
+# opt5's defaults since the recipe work; a test checks opt5.py's parser gives them
 RECIPE = {"epochs": 20, "batch_size": 512, "lr": 0.016, "optimizer": "muon", "ns_steps": 3, "min_size": 16,
           "label_smoothing": 0.1, "accum_steps": 1, "train_size": None}
 

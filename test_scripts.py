@@ -38,13 +38,14 @@ import common
 import harness
 import opt1
 import opt2
+import opt3
 import opt4
 import opt5
 import opt6
 import plot
 
 ROOT = Path(__file__).resolve().parent
-SCRIPTS = {"baseline.py": baseline, "opt1.py": opt1, "opt2.py": opt2, "opt4.py": opt4}
+SCRIPTS = {"baseline.py": baseline, "opt1.py": opt1, "opt2.py": opt2, "opt3.py": opt3, "opt4.py": opt4}
 ALL_SCRIPTS = {**SCRIPTS, "opt5.py": opt5, "opt6.py": opt6}
 WHOLE_STEP = ("opt4.py", "opt5.py", "opt6.py")  # opt4 onwards: the training step as one function
 CPU = torch.device("cpu")
@@ -127,13 +128,14 @@ LEARN_ARGS = {
     "baseline.py": ["--batch-size", "32", "--train-size", "512"],
     "opt1.py": ["--batch-size", "32", "--train-size", "512", "--no-compile"],
     "opt2.py": ["--batch-size", "32", "--train-size", "512", "--workers", "2", "--no-compile"],
-    # opt4 onwards at their defaults: uncompiled; opt5 and opt6 16x16, then 32x32
+    # opt3 onwards at their defaults: uncompiled; opt5 and opt6 16x16, then 32x32
+    "opt3.py": ["--batch-size", "16", "--train-size", "512"],
     "opt4.py": ["--batch-size", "16", "--train-size", "512"],
     "opt5.py": ["--batch-size", "16", "--train-size", "512"],
     "opt6.py": ["--batch-size", "16", "--train-size", "512"],
 }
 EVAL_TRANSFORM = {"baseline.py": common.plain_transform, "opt1.py": common.plain_transform,
-                  "opt2.py": common.normalized_transform, "opt4.py": None, "opt5.py": None, "opt6.py": None}
+                  "opt2.py": common.normalized_transform, "opt3.py": None, "opt4.py": None, "opt5.py": None, "opt6.py": None}
 SUMMARY_FIELDS = {"total_seconds", "launch_to_result_seconds", "warmup_seconds", "steady_images_per_second",
                   "steady_ms_per_step", "achieved_tflops", "final_test_accuracy", "peak_memory_bytes",
                   "training_flops_per_image", "final_lr", "script", "device", "torch", "data", "settings", "epochs",
@@ -166,7 +168,10 @@ def test_script_learns_reports_and_saves(script, tmp_path):
     assert report["epochs"][1]["train_loss"] < report["epochs"][0]["train_loss"]
     # steady state is not measured where the epochs train on different image sizes (opt5, opt6)
     steady = {"warmup_seconds", "steady_images_per_second", "steady_ms_per_step", "achieved_tflops"} if sized else set()
-    assert all(value is not None for name, value in report.items() if name not in steady)
+    # the commit is unknown only outside a git checkout (a source archive), and then it alone is null
+    unknown = {"commit"} if harness.git_commit() is None else set()
+    assert all(value is not None for name, value in report.items() if name not in steady | unknown)
+    assert (report["commit"] is None) == bool(unknown)
 
     assert_saved_weights_match_the_report(weights, report, ALL_SCRIPTS[script], EVAL_TRANSFORM[script])
 
@@ -529,7 +534,7 @@ def test_a_non_finite_loss_stops_the_run_naming_epoch_and_step(script, capsys):
              monitor=NO_MONITOR, size=32)
     assert exit_info.value.code == 1
     assert "loss is nan at epoch 3, step 1" in capsys.readouterr().err
-    if script not in WHOLE_STEP:  # they read their losses once per epoch, after the steps
+    if script not in ("opt3.py", *WHOLE_STEP):  # opt3 on read their losses once per epoch, after the steps
         assert model.weight.item() == 1.0, "the bad step must not reach the weights"
 
 
@@ -626,6 +631,25 @@ def test_rows_name_the_commit_and_say_when_the_code_differs_from_it(tmp_path, mo
     with open(tmp_path / "common.py", "a") as file:
         file.write("# a change\n")
     assert copied.git_commit() == f"{commit}+changes"
+    assert copied.COMMIT_AT_LAUNCH is None, "a row names the code its script started with, not the checkout at its end"
+
+
+def copy_without_git(folder, *names):
+    """The named files of this checkout copied into `folder`, as a source archive unpacks them: no .git above."""
+    for name in names:
+        shutil.copy(ROOT / name, folder / name)
+    # git looks no higher than `folder`, wherever the temporary folders are
+    return {"GIT_CEILING_DIRECTORIES": str(folder.parent)}
+
+
+def test_rows_name_the_commit_unknown_outside_a_git_checkout(tmp_path):
+    env = copy_without_git(tmp_path, "baseline.py", "common.py", "harness.py")
+    json_path = tmp_path / "row.json"
+    result = run_script(tmp_path / "baseline.py", *SMALL, "--epochs", 1, "--train-size", 64, "--json", json_path,
+                        env=env)
+    assert result.returncode == 0, result.stderr
+    assert "commit unknown: not a git checkout" in result.stdout
+    assert read_json(json_path)["commit"] is None
 
 
 # ------------------------------------------------------------------------ gradient accumulation
@@ -666,7 +690,8 @@ def onecycle_lr_after(total_steps, max_lr, steps=None):
     return optimizer.param_groups[0]["lr"]
 
 
-@pytest.mark.parametrize("script, accum_steps", [("opt2.py", 1), ("opt2.py", 3), ("opt4.py", 3), ("opt6.py", 3)])
+@pytest.mark.parametrize("script, accum_steps", [("opt2.py", 1), ("opt2.py", 3), ("opt3.py", 3), ("opt4.py", 3),
+                                                       ("opt6.py", 3)])
 def test_onecycle_length_counts_optimizer_steps(script, accum_steps, tmp_path):
     json_path = tmp_path / "result.json"
     workers = ["--workers", 0] if script == "opt2.py" else []
@@ -892,20 +917,35 @@ def drawn_plan(size=100, batch_size=16, epochs=2, accum_steps=1, seed=0):
     return run
 
 
-def test_opt4_each_epochs_plan_shows_every_image_once_with_fresh_crops_into_the_same_buffers():
+def test_opt3_each_epoch_draws_every_image_once_with_fresh_crops_and_flips():
+    run = SimpleNamespace(args=SimpleNamespace(batch_size=16, accum_steps=1), device=CPU,
+                          generator=torch.Generator().manual_seed(0))
+    batches, offsets, flips = opt3.draw_epoch(run, 96)
+    assert batches.shape == (6, 16) and sorted(batches.flatten().tolist()) == list(range(96))
+    assert offsets.shape == (6, 2, 16, 1) and flips.shape == (6, 16, 1)
+    assert set(offsets.flatten().tolist()) == set(range(2 * common.CROP_PADDING + 1)) and 0 < flips.float().mean() < 1
+    second, second_offsets, _ = opt3.draw_epoch(run, 100)
+    images = second.flatten().tolist()
+    assert len(images) == 96 and len(set(images)) == 96 and max(images) < 100  # 4 left over, none twice
+    assert not torch.equal(second, batches) and not torch.equal(second_offsets, offsets)
+
+
+def test_opt4_writes_each_epochs_draw_and_its_rates_into_the_plans_buffers_at_the_same_addresses():
     run = drawn_plan(size=100, batch_size=16)
     addresses = {name: tensor.data_ptr() for name, tensor in vars(run.plan).items()}
-    opt4.draw_epoch(run, 96, epoch=1)
-    first = {name: tensor.clone() for name, tensor in vars(run.plan).items()}
-    assert first["batches"].shape == (6, 16) and sorted(first["batches"].flatten().tolist()) == list(range(96))
-    offsets = first["offsets"].flatten().tolist()
-    assert set(offsets) == set(range(2 * common.CROP_PADDING + 1)) and 0 < first["flips"].float().mean() < 1
-    opt4.draw_epoch(run, 100, epoch=2)
-    second = run.plan.batches.flatten().tolist()
-    assert len(second) == 96 and len(set(second)) == 96 and max(second) < 100  # 4 left over, none twice
-    assert not torch.equal(run.plan.batches, first["batches"]) and not torch.equal(run.plan.offsets, first["offsets"])
-    assert torch.equal(run.plan.schedule, run.schedule[6:12]), "epoch 2's rates of the schedule"
-    assert {name: tensor.data_ptr() for name, tensor in vars(run.plan).items()} == addresses
+    for epoch, size in ((1, 96), (2, 100)):
+        run.plan.step.fill_(5)
+        before = run.generator.get_state()
+        opt4.plan_epoch(run, size, epoch)
+        after = run.generator.get_state()
+        run.generator.set_state(before)
+        drawn = opt4.draw_epoch(run, size)  # the same draw again, from the same generator state
+        assert torch.equal(run.generator.get_state(), after)
+        assert all(torch.equal(buffer, values) for buffer, values in zip(
+            (run.plan.batches, run.plan.offsets, run.plan.flips), drawn))
+        assert torch.equal(run.plan.schedule, run.schedule[(epoch - 1) * 6:epoch * 6]), "the epoch's rates"
+        assert run.plan.step.item() == 0 and run.plan.correct.item() == 0
+        assert {name: tensor.data_ptr() for name, tensor in vars(run.plan).items()} == addresses
 
 
 def test_opt4_schedule_table_is_onecycles_learning_rate_at_every_step_and_beta1_stays_torchs():
@@ -924,7 +964,7 @@ def test_opt4_schedule_table_is_onecycles_learning_rate_at_every_step_and_beta1_
     assert opt4.adamw([weight], 0.02, CPU).defaults["betas"] == (0.9, 0.999)
 
 
-def test_opt4_flip_tta_equals_plain_evaluation_on_mirror_symmetric_images(monkeypatch):
+def test_opt3_flip_tta_equals_plain_evaluation_on_mirror_symmetric_images(monkeypatch):
     monkeypatch.setattr(torch, "autocast", lambda *args, **kwargs: contextlib.nullcontext())  # float32
     torch.manual_seed(0)
     model = common.ResNet10().eval()
@@ -938,7 +978,7 @@ def test_opt4_flip_tta_equals_plain_evaluation_on_mirror_symmetric_images(monkey
                                                      labels).item()
 
     def tta_loss(images):
-        loss, _ = call(opt4.evaluate, model=model, test_data=(images, labels), amp_dtype=torch.float32, batch_size=8,
+        loss, _ = call(opt3.evaluate, model=model, test_data=(images, labels), amp_dtype=torch.float32, batch_size=8,
                        device=CPU)
         return loss
 
@@ -987,7 +1027,8 @@ IN_EFFECT = {
     "baseline.py": ((False, False), None, 0.0),
     "opt1.py": ((False, False), "AdamW", 0.0),
     "opt2.py": ((False, False), "AdamW", 0.1),
-    "opt4.py": ((True, True), "AdamW, rate in a tensor", 0.1),
+    "opt3.py": ((True, True), "AdamW, fused", 0.1),
+    "opt4.py": ((True, True), "AdamW, fused, rate in a tensor", 0.1),
     "opt5.py": ((True, True), "Muon", 0.1),
     "opt6.py": ((True, True), "Muon", 0.1),
 }
@@ -1004,7 +1045,8 @@ def test_each_scripts_optimizations_are_in_effect(script, bfloat16_unit, monkeyp
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             # the first made: from opt4 on, OneCycleLR's table (onecycle_schedule) steps a stand-in of its own
-            kind = "AdamW, rate in a tensor" if torch.is_tensor(self.defaults["lr"]) else "AdamW"
+            kind = "AdamW" + ", fused" * bool(self.defaults["fused"]) + \
+                ", rate in a tensor" * torch.is_tensor(self.defaults["lr"])
             created.setdefault("optimizer", kind)
 
     class Muon(getattr(ALL_SCRIPTS[script], "Muon", torch.optim.Optimizer)):
@@ -1061,7 +1103,8 @@ def test_the_test_loss_is_computed_on_float32_logits(script, monkeypatch):
     call(ALL_SCRIPTS[script].evaluate, model=model, loader=loader, test_data=opt4.load_to_device(
         common.synthetic_cifar10(32, train=False, transform=None), CPU), batch_size=16, amp_dtype=torch.bfloat16,
         device=CPU, size=32)
-    assert losses_on == [torch.float32, torch.float32]
+    # 32 images in batches of 16: 2 batches; from opt3 on, 8 images and their mirrors a batch: 4
+    assert losses_on == [torch.float32] * (4 if script in ("opt3.py", *WHOLE_STEP) else 2)
 
 
 # What torch.cpu.get_capabilities() reports on each kind of CPU (the keys that matter here).
@@ -1136,10 +1179,12 @@ def train_float16_epoch(script, model, optimizer, scaler, images=64):
 
 
 def shipped_optimizer(script, model, lr=1e-2, dtype=torch.float16, device=CPU):
-    """The optimizer as `script` builds it: AdamW, from opt4 on fused with its rate in a tensor; opt5 and opt6 Muon
-    for the filters (with that AdamW for the rest), its Newton-Schulz matmuls in `dtype` (float16: as on a GPU
+    """The optimizer as `script` builds it: AdamW, fused from opt3 on, its rate in a tensor from opt4 on; opt5 and opt6
+    Muon for the filters (with that AdamW for the rest), its Newton-Schulz matmuls in `dtype` (float16: as on a GPU
     without bfloat16)."""
     module = ALL_SCRIPTS[script]
+    if module is opt3:  # built in its main()
+        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.05, fused=True)
     if hasattr(module, "Muon") and any(p.ndim == 4 for p in model.parameters()):
         parameters = list(model.parameters())
         others = module.adamw([p for p in parameters if p.ndim != 4], lr, device)
@@ -1149,7 +1194,7 @@ def shipped_optimizer(script, model, lr=1e-2, dtype=torch.float16, device=CPU):
     return torch.optim.AdamW(model.parameters(), lr=lr)
 
 
-@pytest.mark.parametrize("script", ["opt1.py", "opt2.py", "opt4.py", "opt5.py", "opt6.py"])
+@pytest.mark.parametrize("script", ["opt1.py", "opt2.py", "opt3.py", "opt4.py", "opt5.py", "opt6.py"])
 def test_float16_with_grad_scaler_learns_and_moves_the_scale(script):
     model = small_net()
     optimizer = shipped_optimizer(script, model)
@@ -1161,7 +1206,7 @@ def test_float16_with_grad_scaler_learns_and_moves_the_scale(script):
     assert scaler.get_scale() != 2.0**8, "the loss scale never moved"
 
 
-@pytest.mark.parametrize("script", ["opt1.py", "opt2.py", "opt4.py", "opt5.py", "opt6.py"])
+@pytest.mark.parametrize("script", ["opt1.py", "opt2.py", "opt3.py", "opt4.py", "opt5.py", "opt6.py"])
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step:UserWarning")  # a skipped step
 def test_a_float16_step_with_infinite_gradients_is_skipped(script):
     model = small_net()
@@ -1208,11 +1253,11 @@ def tensors_of_the_step(run):
 def test_every_tensor_the_step_touches_keeps_its_address_across_steps_and_epochs(script):
     # What a CUDA graph replays is addresses: a tensor the step reads from or writes to anew would be missed.
     run, step = step_of(script, small_net(), common.synthetic_cifar10(128, train=True, transform=None), CPU)
-    ALL_SCRIPTS[script].draw_epoch(run, 128, 1)
+    ALL_SCRIPTS[script].plan_epoch(run, 128, 1)
     step()  # the optimizer's state is made in the first step: on a GPU, before the capture
     addresses = {name: tensor.data_ptr() for name, tensor in tensors_of_the_step(run).items()}
     for epoch in (1, 2):
-        ALL_SCRIPTS[script].draw_epoch(run, 128, epoch)
+        ALL_SCRIPTS[script].plan_epoch(run, 128, epoch)
         for _ in range(len(run.plan.schedule)):
             step()
             assert {name: tensor.data_ptr() for name, tensor in tensors_of_the_step(run).items()} == addresses
@@ -1227,7 +1272,7 @@ def test_the_compiled_step_computes_what_the_step_run_eagerly_does_in_float32(sc
     def after_two_epochs(compiled):
         run, step = step_of(script, small_net(), dataset, CPU, compiled=compiled)
         for epoch in (1, 2):
-            ALL_SCRIPTS[script].draw_epoch(run, 128, epoch)
+            ALL_SCRIPTS[script].plan_epoch(run, 128, epoch)
             for _ in range(len(run.plan.schedule)):
                 step()
         return torch.nn.utils.parameters_to_vector(run.model.parameters()).detach(), run.plan.losses
@@ -1241,7 +1286,7 @@ def test_the_compiled_step_computes_what_the_step_run_eagerly_does_in_float32(sc
     assert torch.allclose(compiled_losses, eager_losses, rtol=1e-4)
 
 
-# ------------------------------------------------------------ opt4: compiled once, no host sync
+# ------------------------------------------------ opt3 on: no host sync; opt4 --compile: one graph, no recompile
 
 def compiled_run(script, flags, folder):
     """`script`'s main() compiled, in this process; returns the dynamo counters and the line printed after each
@@ -1401,15 +1446,17 @@ def test_the_host_read_counters_catch_baselines_reads_per_step():
 
 # (tensor calls, scalars the dispatcher reads) at the end of an epoch: losses.tolist(), then .item() of the mean loss
 # and of the correct count; opt6 reads its totals with one .tolist()
-@pytest.mark.parametrize("script, end_of_epoch_reads", [("opt4.py", (3, 2)), ("opt5.py", (3, 2)), ("opt6.py", (2, 0))])
-def test_opt4_reads_from_the_device_once_per_epoch_not_per_step(script, end_of_epoch_reads):
+@pytest.mark.parametrize("script, end_of_epoch_reads", [("opt3.py", (3, 2)), ("opt4.py", (3, 2)), ("opt5.py", (3, 2)),
+                                                        ("opt6.py", (2, 0))])
+def test_opt3_on_read_from_the_device_once_per_epoch_not_per_step(script, end_of_epoch_reads):
     (two_steps, two_scalars), (four_steps, four_scalars) = host_reads_in_one_epoch(script, 16), \
         host_reads_in_one_epoch(script, 32)
     assert (len(two_steps), two_scalars) == (len(four_steps), four_scalars) == end_of_epoch_reads, \
         (two_steps, four_steps, two_scalars, four_scalars)
 
 
-@pytest.mark.parametrize("script, captured", [("opt4.py", True), ("opt5.py", False), ("opt6.py", False)])
+@pytest.mark.parametrize("script, captured", [("opt3.py", True), ("opt4.py", True), ("opt5.py", False),
+                                              ("opt6.py", False)])
 def test_in_float16_fused_adamw_takes_grad_scalers_flag_on_the_device_and_muon_has_it_read_on_the_host(script,
                                                                                                       captured):
     # GradScaler hands a fused optimizer the found-inf flag as a tensor; for any other (Muon) it reads the flag with
@@ -1420,6 +1467,8 @@ def test_in_float16_fused_adamw_takes_grad_scalers_flag_on_the_device_and_muon_h
         host_reads_in_one_epoch(script, 32, torch.float16, small_net())
     reads_per_step = (four_scalars - two_scalars) / 2
     assert reads_per_step == (0 if captured else 1) and (len(four_steps) - len(two_steps)) / 2 == reads_per_step
+    if script == "opt3.py":  # nothing captured yet, but no read a step either
+        return
     optimizer = shipped_optimizer(script, small_net())
     why_not = ALL_SCRIPTS[script].capture_problem(torch.device("cuda"), torch.float16, optimizer,
                                                    *([1] if script == "opt6.py" else []))
@@ -1509,8 +1558,9 @@ def test_opt5_trains_each_epoch_on_its_image_size_and_evaluates_all_test_images_
     opt5.main()
     seen = SizeRecordingResNet10.seen
     assert seen["train"] == [16] * 4 + [24] * 4 + [32] * 4
-    # A 64-image subset at the size just trained on after epochs 1 and 2, all 256 at 32x32 after the last
-    assert seen["eval"] == [16] * 2 + [24] * 2 + [32] * 8
+    # A 64-image subset at the size just trained on after epochs 1 and 2, all 256 at 32x32 after the last: 16 images
+    # and their mirrors a batch, the training batch's shape
+    assert seen["eval"] == [16] * 4 + [24] * 4 + [32] * 16
     report = read_json(json_path)
     assert [epoch["image_size"] for epoch in report["epochs"]] == [16, 24, 32]
     assert [epoch["test_images"] for epoch in report["epochs"]] == [64, 64, 256]
@@ -1647,7 +1697,7 @@ def test_opt5_orthogonalize_leaves_the_singular_values_under_its_threshold_below
     assert [length > 0.68 for length in result.norm(dim=0)[:3].tolist()] == reached, result.norm(dim=0)
 
 
-def test_opt5_muon_is_one_optimizer_whose_every_group_takes_the_schedules_rate_and_drops_its_gradients():
+def test_opt5_muon_is_one_optimizer_whose_every_group_takes_the_schedules_rate_and_steps_every_weight():
     model = small_net()
     parameters = list(model.parameters())
     filters = [parameter for parameter in parameters if parameter.ndim == 4]
@@ -1664,9 +1714,10 @@ def test_opt5_muon_is_one_optimizer_whose_every_group_takes_the_schedules_rate_a
         for parameter in parameters:
             parameter.grad = torch.ones_like(parameter)
         opt5.optimizer_step(run)
-        # each group, Muon's and AdamW's, stepped at this step's rate, and every gradient is dropped
+        # each group, Muon's and AdamW's, stepped at this step's rate
         rates = {group["lr"].item() for group in muon.param_groups}
         assert rates == {run.plan.schedule[step].item()} and run.plan.step.item() == step + 1
+        muon.zero_grad()  # as the next step starts: zero_grad reaches every group's gradients
         assert all(parameter.grad is None for parameter in parameters)
     assert all(not torch.equal(parameter, old) for parameter, old in zip(parameters, before)), "every weight moved"
 
@@ -1715,6 +1766,109 @@ def test_opt5_with_muon_launches_the_same_ops_every_step(eager_opt5_run, eager_o
     assert len(per_step) == 3 and all(counted == names[0] for counted in names) and per_step[0] > opt4_ops
 
 
+# ------------------------------------------ opt3 -> opt4: the same math, the mechanism changed; the step's fallback
+
+def tiny_resnet():
+    """A stand-in for ResNet10 with what matters here (convolutions, BatchNorm, a linear head), fast on a CPU."""
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+
+
+def test_opt3s_loop_and_opt4s_step_give_the_same_losses_in_float32(monkeypatch, tmp_path):
+    # 2 epochs of 2,048 images, beta1 fixed in both (opt3's OneCycleLR cycles it unless told not to): the split changed
+    # how the step runs (a loop on the host; one function on the plan's buffers), not what it computes
+    monkeypatch.setattr(common, "ResNet10", tiny_resnet)
+    monkeypatch.setattr(torch.optim.lr_scheduler, "OneCycleLR",
+                        functools.partial(torch.optim.lr_scheduler.OneCycleLR, cycle_momentum=False))
+
+    def losses_and_weights(script):
+        module, losses = ALL_SCRIPTS[script], []
+        monkeypatch.setattr(module, "autocast_dtype", lambda device: (torch.float32, "float32"))
+        monkeypatch.setattr(common, "check_finite", lambda loss, epoch, step: losses.append(loss))
+        monkeypatch.setattr(sys, "argv", [script, *SMALL, "--epochs", "2", "--train-size", "2048", "--batch-size",
+                                          "64", "--save", str(tmp_path / f"{script}.pt")])
+        module.main()
+        return torch.tensor(losses), torch.load(tmp_path / f"{script}.pt")
+
+    (loop, loop_weights), (step, step_weights) = losses_and_weights("opt3.py"), losses_and_weights("opt4.py")
+    assert len(loop) == len(step) == 64
+    assert torch.allclose(loop, step, rtol=1e-4, atol=1e-5), (loop - step).abs().max()
+    # the rate a float in one, a float32 tensor in the other: AdamW turns the rounding into steps of ~1e-4 at most
+    assert all(torch.allclose(loop_weights[name].float(), step_weights[name].float(), atol=2e-4) for name in loop_weights)
+    assert not torch.allclose(loop[1:], step[:-1], rtol=1e-4, atol=1e-5), "the comparison must be able to fail"
+
+
+class ConvolutionShapes:
+    """Records the input shape of every convolution a model runs, apart for training and for evaluation."""
+
+    def __init__(self, model):
+        self.training, self.evaluation = set(), set()
+        for module in model.modules():
+            if isinstance(module, nn.Conv2d):
+                module.register_forward_pre_hook(self.record)
+
+    def record(self, module, inputs):
+        (self.training if module.training else self.evaluation).add((module.in_channels, *inputs[0].shape))
+
+
+@pytest.mark.parametrize("script, flags", [("opt3.py", []), ("opt4.py", []),
+                                           ("opt5.py", ["--epochs", "3", "--monitor-size", "40"])])
+def test_the_evaluation_runs_only_the_convolution_shapes_training_ran(script, flags, monkeypatch):
+    # cuDNN's autotuner times every new input shape once, ~1 s a shape on an H200: the evaluation's batches (the image
+    # and its mirror, the last one padded) are the training batch's shape at each size, so it times nothing new
+    shapes, resnet10 = [], common.ResNet10
+
+    def recorded_resnet():
+        model = resnet10()
+        shapes.append(ConvolutionShapes(model))
+        return model
+    monkeypatch.setattr(common, "ResNet10", recorded_resnet)
+    monkeypatch.setattr(sys, "argv", [script, *SMALL, "--epochs", "2", "--train-size", "128", "--test-size", "50",
+                                      "--batch-size", "16", *flags])
+    ALL_SCRIPTS[script].main()
+    seen = shapes[0]  # the script's own model: the report counts FLOPs on models of its own
+    assert seen.evaluation and seen.evaluation <= seen.training, seen.evaluation - seen.training
+    assert {shape[1] for shape in seen.evaluation} == {16}
+
+
+@contextlib.contextmanager
+def a_capture_that_fails_at_its_first_op(graph):
+    """torch.cuda.graph as a capture that raises at the step's first op: a real capture runs none of the step's
+    kernels either, whatever op fails."""
+    class FailingCapture(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore lines of it")
+    with FailingCapture():
+        yield
+
+
+def test_a_capture_that_fails_says_why_in_one_line_and_the_step_runs_uncaptured_with_no_step_lost(monkeypatch,
+                                                                                               capsys):
+    no_stream = SimpleNamespace(wait_stream=lambda stream: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: SimpleNamespace(replay=lambda: pytest.fail("replayed")))
+    monkeypatch.setattr(torch.cuda, "graph", a_capture_that_fails_at_its_first_op)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: no_stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: no_stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch, "autocast", lambda *args, **kwargs: contextlib.nullcontext())  # float32
+    dataset = common.synthetic_cifar10(256, train=True, transform=None)
+
+    def weights_after_an_epoch(wrap):
+        run, step = step_of("opt4.py", small_net(), dataset, CPU)
+        step = wrap(step)
+        opt4.plan_epoch(run, 256, 1)
+        for _ in range(len(run.plan.schedule)):  # 8 steps: 3 warm-up, the capture that fails, 4 more
+            step()
+        return torch.nn.utils.parameters_to_vector(run.model.parameters()).detach(), run.plan.step.item()
+
+    wrapped, wrapped_steps = weights_after_an_epoch(opt4.cuda_graph)
+    lines = capsys.readouterr().out.splitlines()
+    called, called_steps = weights_after_an_epoch(lambda step: step)
+    assert lines == ["step: not captured (RuntimeError: CUDA error: operation not permitted when stream is capturing);"
+                     " running it as a function from step 4"]
+    assert wrapped_steps == called_steps == 8 and torch.allclose(wrapped, called)
+
+
 # ------------------------------------------------------------------------------------ benchmark
 
 def test_benchmark_measures_the_chain_by_the_readmes_command_on_a_cpu(tmp_path):
@@ -1727,13 +1881,13 @@ def test_benchmark_measures_the_chain_by_the_readmes_command_on_a_cpu(tmp_path):
                         "--data-dir", tmp_path / "data", "--json", json_path)
     assert result.returncode == 0, result.stderr
     table = [line.split("|")[1:-1] for line in result.stdout.splitlines() if line.startswith("| ")][1:]  # no header
-    scripts = ["baseline.py", "opt1.py", "opt2.py", "opt4.py", "opt5.py"]
+    scripts = ["baseline.py", "opt1.py", "opt2.py", "opt3.py", "opt4.py", "opt5.py"]
     assert [cells[0].strip() for cells in table] == scripts and table[0][2].strip() == "1.00x"
     *runs, summary = [json.loads(line) for line in json_path.read_text().splitlines()]
     # each script's own --json line at its own batch size, named by the commit and the data it ran on
     fingerprint = harness.data_fingerprint(SimpleNamespace(synthetic=False, data_dir=tmp_path / "data"))
     assert [run["benchmark_run"] for run in runs] == [run["script"] for run in runs] == scripts
-    assert [run["settings"]["batch_size"] for run in runs] == [64, 64, 128, 128, 512]
+    assert [run["settings"]["batch_size"] for run in runs] == [64, 64, 128, 128, 128, 512]
     assert {(run["commit"], run["data_fingerprint"], run["device"]) for run in runs} == \
         {(harness.git_commit(), fingerprint, "cpu")}
     assert summary["benchmark"] == "chain" and [row["name"] for row in summary["rows"]] == scripts
@@ -1741,7 +1895,29 @@ def test_benchmark_measures_the_chain_by_the_readmes_command_on_a_cpu(tmp_path):
     assert table[1][1].strip() == f"{opt1_row['images_per_second']['all']:,.0f}"
     assert table[1][4].strip() == f"{100 * runs[1]['final_test_accuracy']:.2f}"
     # opt5's 5 epochs train at 16, 16, 24, 24, 32 px: a steady speed at 16 and at 24 px, no single one to compare
-    assert re.fullmatch(r"[\d,]+ at 16 px, [\d,]+ at 24 px", table[4][1].strip()) and table[4][2].strip() == "-"
+    assert re.fullmatch(r"[\d,]+ at 16 px, [\d,]+ at 24 px", table[5][1].strip()) and table[5][2].strip() == "-"
+
+
+def test_benchmark_marks_a_failed_script_runs_the_rest_and_exits_1(tmp_path):
+    env = copy_without_git(tmp_path, "benchmark.py", "baseline.py", "common.py", "harness.py")
+    (tmp_path / "broken.py").write_text('import sys\nsys.exit("broken.py: a bad flag")\n')
+    (tmp_path / "silent.py").write_text("# exits 0 with no output and no row\n")
+    json_path = tmp_path / "chain.jsonl"
+    result = run_script(tmp_path / "benchmark.py", "--scripts", "broken.py", "baseline.py", "silent.py", *SMALL,
+                        "--epochs", 2, "--train-size", 64, "--json", json_path, env={**env, "TMPDIR": tmp_path})
+    assert result.returncode == 1, result.stderr
+    table = [[cell.strip() for cell in line.split("|")[1:-1]]
+             for line in result.stdout.splitlines() if line.startswith("| ")][1:]  # no header
+    assert [cells[0] for cells in table] == ["broken.py", "baseline.py", "silent.py"]
+    log = re.fullmatch(r"failed \(exit 1; its output in (.+\.log)\)", table[0][1])
+    assert log and "broken.py: a bad flag" in Path(log[1]).read_text() and table[0][2:] == ["-"] * 7
+    assert table[1][2] == "1.00x", "the script after the failed one ran"
+    assert table[2][1] == "failed (no row written)" and table[2][2:] == ["-"] * 7
+    assert "commit unknown (not a git checkout)" in result.stdout
+    *runs, summary = [json.loads(line) for line in json_path.read_text().splitlines()]
+    assert [run["script"] for run in runs] == ["baseline.py"] and runs[0]["commit"] is None
+    assert [row["name"] for row in summary["rows"]] == ["baseline.py"]
+    assert summary["failed"] == {"broken.py": table[0][1], "silent.py": table[2][1]}
 
 
 def test_benchmark_speedup_is_each_scripts_speed_over_baselines():
@@ -1763,7 +1939,7 @@ def test_benchmark_speedup_is_each_scripts_speed_over_baselines():
 
 def test_benchmark_ladder_compares_each_rung_with_the_one_it_adds_to():
     speeds = {"baseline": 100.0, "opt1 eager": 200.0, "opt1": 250.0, "opt2, 0 workers": 240.0,
-              "opt2, 2 workers": 200.0, "opt4 eager": 180.0, "opt4": 300.0}
+              "opt2, 2 workers": 200.0, "opt3": 180.0, "opt4": 360.0, "opt4 + compile": 300.0}
     results = {rung: [{"steady_images_per_second": speed, "achieved_tflops": 0.1, "steady_ms_per_step": 1.0,
                        "warmup_seconds": 0.0, "peak_memory_bytes": 2**30, "final_test_accuracy": 0.5}]
                for rung, speed in speeds.items()}
@@ -1771,8 +1947,22 @@ def test_benchmark_ladder_compares_each_rung_with_the_one_it_adds_to():
     by_rung = {row[0].strip(): [cell.strip() for cell in row] for row in rows}
     assert list(by_rung) == list(speeds)
     assert by_rung["opt1"][5:8] == ["opt1 eager", "1.25x", "2.50x"]
-    assert by_rung["opt4 eager"][5:8] == ["opt2, 0 workers", "0.75x", "1.80x"]
-    assert by_rung["opt4 eager"][3] == "no host sync; the step captured as one CUDA graph" and by_rung["opt1"][3] == "-"
+    assert by_rung["opt3"][5:8] == ["opt2, 0 workers", "0.75x", "1.80x"]
+    assert by_rung["opt4"][5:8] == ["opt3", "2.00x", "3.60x"]
+    assert by_rung["opt4"][3] == "no host sync; the step captured as one CUDA graph" and by_rung["opt1"][3] == "-"
+
+
+def test_benchmark_ladder_marks_a_failed_rung_and_what_it_cannot_compare():
+    results = {rung: [{"steady_images_per_second": 100.0, "achieved_tflops": 0.1, "steady_ms_per_step": 1.0,
+                       "warmup_seconds": 0.0, "peak_memory_bytes": 2**30, "final_test_accuracy": 0.5}]
+               for rung, *_ in benchmark.LADDER}
+    results["opt1 eager"] = []
+    table = benchmark.ladder_table(results, peak_tflops=1.0, failures={"opt1 eager": "failed (exit 1)"})
+    by_rung = {cells[0]: cells for cells in ([cell.strip() for cell in row.split("|")[1:-1]]
+                                             for row in table.splitlines()[2:])}
+    assert list(by_rung) == [rung for rung, *_ in benchmark.LADDER]
+    assert by_rung["opt1 eager"][4:] == ["failed (exit 1)"] + ["-"] * 7
+    assert by_rung["opt1"][5:8] == ["opt1 eager", "-", "1.00x"], "no speedup over a rung that failed"
 
 
 @pytest.mark.parametrize("rung, script, flags", [rung[:3] for rung in benchmark.LADDER])
@@ -1826,7 +2016,7 @@ def test_ablation_alternating_flip_mirrors_each_image_every_other_epoch(monkeypa
     run.args.seed = 0
     flips = {}
     for epoch in (1, 2, 3):
-        opt5.draw_epoch(run, 96, epoch)
+        opt5.plan_epoch(run, 96, epoch)
         by_image = torch.zeros(96, dtype=torch.bool)
         by_image[run.plan.batches.flatten()] = run.plan.flips.flatten()
         flips[epoch] = by_image
@@ -1945,18 +2135,20 @@ def test_ablation_help_names_every_row_and_its_flags_defaults():
 def write_plot_fixture(folder):
     """Real-data reports, a ladder summary and timed opt4/opt5 runs, as the scripts and benchmark.py write them.
 
-    Returns plot.py's flags that read them."""
+    Every row is of today's numbering ("chain": 2), so plot.py takes its names as they are (the older rows' table
+    has its own test). Returns plot.py's flags that read them."""
     def run(script, accuracies):
         epochs = [{"epoch": epoch, "test_accuracy": accuracy, "train_seconds": 60.0}
                   for epoch, accuracy in enumerate(accuracies, start=1)]
-        return {"script": script, "data": "cifar10", "device": "cpu", "cpu": "Test CPU (AMX)", "threads": 2,
-                "torch": "2.14.1", "steady_images_per_second": 100.0, "epochs": epochs}
+        return {"script": script, "chain": 2, "data": "cifar10", "device": "cpu", "cpu": "Test CPU (AMX)",
+                "threads": 2, "torch": "2.14.1", "steady_images_per_second": 100.0, "epochs": epochs}
 
     runs = [run("baseline.py", [0.4, 0.5]), run("opt4.py", [0.6, 0.8]), {**run("opt4.py", [0.1]), "data": "synthetic"}]
     rows = [{"name": name, "images_per_second": speed, "tflops": speed * 1.5e9 / 1e12, "ms_per_step": 1000.0,
              "warmup_seconds": 0.5, "peak_memory_gib": 1.0, "percent_of_bf16_peak": speed * 1.5e9 / 1.2e12 * 100}
             for name, speed in [("baseline", 100.0), ("opt4", 300.0)]]
-    ladder = {"benchmark": "ladder", "machine": "Test CPU (AMX)", "threads": 2, "bf16_peak_tflops": 1.2, "rows": rows}
+    ladder = {"benchmark": "ladder", "chain": 2, "machine": "Test CPU (AMX)", "threads": 2, "bf16_peak_tflops": 1.2,
+              "rows": rows}
 
     def timed_run(script, flags, sizes, launch_minutes, accuracy, seed=0, optimizer=None, cpu="Test CPU (AMX)",
                   **settings):
@@ -1964,7 +2156,7 @@ def write_plot_fixture(folder):
                    "ms_per_step": size * (10 if optimizer == "muon" else 8), "steps": 390, "images": 50_000}
                   for epoch, (size, minutes) in enumerate(zip(sizes, launch_minutes), start=1)]
         settings = {"seed": seed, **({"optimizer": optimizer} if optimizer else {}), **settings}
-        return {"script": script, "data": "cifar10", "cpu": cpu, "threads": 2,
+        return {"script": script, "chain": 2, "data": "cifar10", "cpu": cpu, "threads": 2,
                 "final_test_accuracy": accuracy, "settings": settings,
                 "command": f"python {script} {flags} --data-dir /tmp/cifar10 --json results/convergence.jsonl",
                 "launch_to_result_seconds": epochs[-1]["launch_seconds"], "epochs": epochs}
@@ -2002,7 +2194,8 @@ def write_plot_fixture(folder):
 
     def ablation_row(row, change, views, monitor, synthetic=False):
         epochs = [{"test_accuracy": monitor, "test_images": 1000}, {"test_accuracy": views[1], "test_images": 10000}]
-        return {"row": row, "change": change, "data": "synthetic" if synthetic else "cifar10", "epochs": epochs,
+        return {"row": row, "chain": 2, "change": change, "data": "synthetic" if synthetic else "cifar10",
+                "epochs": epochs,
                 "1_view": views[0], "2_views": views[1], "6_views": views[2], "extra_view_seconds": 60.0,
                 "launch_to_result_seconds": 900.0}
 
@@ -2013,7 +2206,8 @@ def write_plot_fixture(folder):
         epochs = [{"train_seconds": 5.0 if epoch == 1 else 1.0, "images": 50_000, "steps": 390, "image_size": size,
                    "test_accuracy": accuracy} for epoch, size in enumerate(sizes, start=1)]
         steady = images_per_second if sizes[0] is None else None
-        return {"script": script, "data": "cifar10", "device": "cuda", "device_name": "Test GPU", "threads": 16,
+        return {"script": script, "chain": 2, "data": "cifar10", "device": "cuda", "device_name": "Test GPU",
+                "threads": 16,
                 "cpu": "Test CPU (AMX)", "torch": "2.11.0", "final_test_accuracy": accuracy,
                 "command": f"python {script} {flags} --epochs 3 --data-dir /tmp/c10 --device cuda --json gpu.jsonl",
                 "steady_images_per_second": steady, "steady_ms_per_step": steady and 6.4e4 / steady,
@@ -2240,10 +2434,47 @@ def test_plot_names_a_missing_data_file(tmp_path):
     assert result.returncode == 2 and "none.jsonl" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_plot_reads_older_rows_by_todays_names_and_diffs_a_script_under_its_name_then(tmp_path):
+    older = {"script": "opt3.py", "date": "2026-11-25T10:00:00", "change": "opt4 as shipped"}
+    scripts = ["baseline.py", "opt3.py", "opt4.py", "opt5.py"]
+    assert [plot.read_row({**older, "script": script})["script"] for script in scripts] == \
+        ["baseline.py", "opt4.py", "opt5.py", "opt6.py"]
+    assert plot.read_row(older)["ran_as"] == "opt3.py" and plot.read_row(older)["change"] == "opt5 as shipped"
+    assert plot.read_row({**older, "script": "opt4.py", "date": "2026-11-23T12:00:00"})["script"] == "opt6.py", \
+        "before e8e4e0a opt4.py was the DDP script"
+    ladder = plot.read_row({"benchmark": "ladder", "rows": [{"name": "opt3 eager"}, {"name": "opt2, 0 workers"}]})
+    assert [row["name"] for row in ladder["rows"]] == ["opt4 eager", "opt2, 0 workers"]
+    today = plot.read_row({**older, "chain": 2})
+    assert (today["script"], today["change"]) == ("opt3.py", "opt4 as shipped"), "a chain-2 row is taken as it is"
+
+    if shutil.which("git") is None:
+        pytest.skip("no git to diff a script against its commit")
+    # A commit of the older numbering (opt3.py the captured step, opt4.py the recipe); today both moved up by one,
+    # the captured step's report call changed
+    git = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com"]
+    subprocess.run([*git, "init", "-q"], cwd=tmp_path, check=True)
+    (tmp_path / "opt3.py").write_text("step = 'captured'\nharness.report(run)\n")
+    (tmp_path / "opt4.py").write_text("step = 'recipe'\n")
+    subprocess.run([*git, "add", "opt3.py", "opt4.py"], cwd=tmp_path, check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "older numbering"], cwd=tmp_path, check=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, capture_output=True,
+                            text=True, check=True).stdout.strip()
+    (tmp_path / "opt4.py").write_text("step = 'captured'\nharness.report(run, extra={})\n")
+    (tmp_path / "opt5.py").write_text("step = 'recipe'\n")
+    shutil.copy(ROOT / "plot.py", tmp_path / "plot.py")  # changed_since reads git and the scripts beside plot.py
+    spec = importlib.util.spec_from_file_location("plot_in_the_older_checkout", tmp_path / "plot.py")
+    plot_there = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot_there)
+    assert plot_there.changed_since(commit, {"opt4.py": "opt3.py", "opt5.py": "opt4.py"}) == []
+    assert plot_there.changed_since(commit, {"opt4.py": "opt4.py"}) == ["opt4.py"], "the same name then: the recipe"
+    assert plot_there.changed_since("0000000", {"opt4.py": "opt3.py"}) is None
+
+
 # -------------------------------------------------------------- the front page against the data
 
 def json_lines(name):
-    return [json.loads(line) for line in (ROOT / "results" / name).read_text().splitlines() if line.strip()]
+    """The rows of results/`name` as plot.py reads them: each script by today's name."""
+    return plot.read_lines(ROOT / "results" / name)
 
 
 def readme_chain_table():
@@ -2280,7 +2511,7 @@ def test_readme_chain_table_is_the_gpus_rows_and_says_whose_code_changed_since()
                    f"{100 * (launch_to_result['opt5.py'] / launch_to_result['opt4.py'] - 1):.0f} % more time than opt4",
                    f"{rows['opt4.py']['ms_per_step']['all']:.1f} ms a step at batch 128"):
         assert bought in readme, bought
-    changed = plot.changed_since(commit, list(table))
+    changed = plot.changed_since(commit, plot.scripts_then(gpu))
     if changed is None:
         pytest.skip(f"no git history here to tell which scripts changed since commit {commit}")
     for script, cells in table.items():  # a script changed since its row, or without one, says so
@@ -2322,7 +2553,7 @@ def test_readme_cpu_figures_are_the_measured_data():
            f"{no_resizing[0]['modelled_h200_seconds']:.2f} for {100 * no_resizing[0]['2_views'] - mean:.2f} points " \
            "less (CPU, one seed)" in readme
     data_parallel = json_lines("data-parallel.jsonl")[-1]
-    assert data_parallel["script"] == "opt6.py" and data_parallel["world_size"] == 2
+    assert data_parallel["script"] == "opt6.py" and data_parallel["world_size"] == 2  # it ran as opt5.py
     assert f"{100 * data_parallel['final_test_accuracy']:.1f} % (CPU, AdamW)" in readme
     assert f"2 CPU processes: {100 * data_parallel['final_test_accuracy']:.1f} %, AdamW" in \
         readme_chain_table()["opt6.py"][-1]
@@ -2699,7 +2930,7 @@ def test_opt6_rank_shares_are_disjoint_and_cover_the_epoch():
         run = SimpleNamespace(args=args, device=CPU, rank=rank, world_size=2, plan=opt6.empty_plan(6, args, CPU),
                               generator=torch.Generator().manual_seed(0),  # every rank seeds alike
                               augment_generator=torch.Generator().manual_seed(rank), schedule=torch.zeros(6))
-        opt6.draw_epoch(run, 100, 1)
+        opt6.plan_epoch(run, 100, 1)
         return run.plan
 
     first, second = share(0), share(1)
@@ -2733,12 +2964,12 @@ common.ResNet10 = BatchNormFreeNet
 torch.autocast = lambda *args, **kwargs: contextlib.nullcontext()
 opt6.augment = lambda images, offsets, flips: images  # crops differ per micro-batch: leave images as they are
 
-real_draw_epoch, real_load_data, RealDDP = opt6.draw_epoch, common.load_data, opt6.DistributedDataParallel
+real_plan_epoch, real_load_data, RealDDP = opt6.plan_epoch, common.load_data, opt6.DistributedDataParallel
 real_normalize = opt6.normalize
 
 
-def draw_epoch(run, *args):
-    real_draw_epoch(run, *args)
+def plan_epoch(run, *args):
+    real_plan_epoch(run, *args)
     record["shares"].append(run.plan.batches.flatten().tolist())
 
 
@@ -2797,7 +3028,7 @@ def destroy_process_group(*args, **kwargs):
     real_destroy_process_group(*args, **kwargs)
 
 
-opt6.draw_epoch, common.load_data, opt6.DistributedDataParallel = draw_epoch, load_data, counting_ddp
+opt6.plan_epoch, common.load_data, opt6.DistributedDataParallel = plan_epoch, load_data, counting_ddp
 opt6.normalize = normalize
 real_barrier, real_destroy_process_group = dist.barrier, dist.destroy_process_group
 dist.barrier, dist.destroy_process_group = barrier, destroy_process_group
@@ -3005,7 +3236,7 @@ def test_cuda_the_captured_step_replays_what_the_step_computes(script, monkeypat
             step = opt4.cuda_graph(step)
         addresses = [tensor.data_ptr() for tensor in [*model.parameters(), *vars(run.plan).values()]]
         for epoch in (1, 2):
-            ALL_SCRIPTS[script].draw_epoch(run, 256, epoch)
+            ALL_SCRIPTS[script].plan_epoch(run, 256, epoch)
             for _ in range(len(run.plan.schedule)):
                 step()
         assert addresses == [tensor.data_ptr() for tensor in [*model.parameters(), *vars(run.plan).values()]]
@@ -3019,13 +3250,13 @@ def test_cuda_the_captured_step_replays_what_the_step_computes(script, monkeypat
 
 @cuda_test
 @pytest.mark.parametrize("script", ["opt4.py", "opt5.py"])
-def test_cuda_the_uncompiled_step_is_captured_and_replayed_with_syncs_forbidden(script):
+def test_cuda_the_uncompiled_step_is_captured_and_replayed_with_syncs_forbidden(script, capsys):
     # After its warm-up, the step as main() builds it (fused AdamW, or Muon with it; no compiler) captures and replays
     # with any host sync an error: the proof, on a GPU, of what the CPU tests count
     gpu = torch.device("cuda")
     run, step = step_of(script, common.ResNet10().to(gpu, memory_format=torch.channels_last),
                         common.synthetic_cifar10(256, train=True, transform=None), gpu)
-    ALL_SCRIPTS[script].draw_epoch(run, 256, 1)
+    ALL_SCRIPTS[script].plan_epoch(run, 256, 1)
     step = opt4.cuda_graph(step)
     for _ in range(3):
         step()  # warm-up, on a side stream
@@ -3036,6 +3267,35 @@ def test_cuda_the_uncompiled_step_is_captured_and_replayed_with_syncs_forbidden(
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert run.plan.step.item() == len(run.plan.schedule)
+    assert "not captured" not in capsys.readouterr().out, "captured, not run as a function after a failed capture"
+
+
+@cuda_test
+def test_cuda_a_capture_that_fails_runs_the_step_uncaptured_with_no_step_lost_or_doubled(monkeypatch, capsys):
+    # A real capture error, after the whole step was recorded: a host read is not allowed while a stream captures.
+    # The recorded step ran none of its kernels, so the fallback must run it (gradients, weights, counter) once
+    monkeypatch.setattr(torch, "autocast", lambda *args, **kwargs: contextlib.nullcontext())  # float32
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    gpu, dataset = torch.device("cuda"), common.synthetic_cifar10(256, train=True, transform=None)
+
+    def weights_after_an_epoch(wrap):
+        run, step = step_of("opt4.py", small_net().to(gpu), dataset, gpu)
+
+        def step_then_a_host_read_while_capturing():
+            step()
+            if torch.cuda.is_current_stream_capturing():
+                run.plan.losses.sum().item()
+        opt4.plan_epoch(run, 256, 1)
+        wrapped = wrap(step_then_a_host_read_while_capturing)
+        for _ in range(len(run.plan.schedule)):  # 8 steps: 3 warm-up, the capture that fails, 4 more
+            wrapped()
+        return torch.nn.utils.parameters_to_vector(run.model.parameters()).detach(), run.plan.step.item()
+
+    (fell_back, fell_back_steps), out = weights_after_an_epoch(opt4.cuda_graph), capsys.readouterr().out
+    called, called_steps = weights_after_an_epoch(lambda step: step)
+    assert "step: not captured (" in out and out.rstrip().endswith("running it as a function from step 4"), out
+    assert fell_back_steps == called_steps == 8 and torch.allclose(fell_back, called, rtol=1e-4, atol=1e-5)
 
 
 @cuda_test

@@ -57,7 +57,7 @@ def timed(function):
 def block(run, step, epoch):
     """One epoch of STEPS_PER_BLOCK steps, as train_one_epoch runs them (the plan drawn first)."""
     run.model.train()
-    opt4.draw_epoch(run, len(images), epoch)
+    opt4.plan_epoch(run, len(images), epoch)
     for _ in range(STEPS_PER_BLOCK):
         step()
 
