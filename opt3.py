@@ -100,6 +100,8 @@ def train_one_epoch(run, train_data, epoch, monitor):
     """One pass over `train_data`; returns mean loss, accuracy, optimizer steps and images trained on."""
     run.model.train()
     all_images, all_labels = train_data
+    # opt2: accumulating gradients of accum_steps micro-batches gives a big batch's step in less memory;
+    # every step gets exactly accum_steps micro-batches, so a few left over at the end are skipped
     accum_steps = run.args.accum_steps
     # opt3: the epoch's batches are drawn on the device at once and gathered there by index: no loader, no workers,
     # no host-to-device copy; its crops and flips likewise
@@ -108,6 +110,7 @@ def train_one_epoch(run, train_data, epoch, monitor):
     losses = torch.zeros(len(batches), device=run.device)
     correct = torch.zeros((), dtype=torch.long, device=run.device)
     for micro_step, indices in enumerate(batches):
+        # opt2: normalized inputs condition the optimization; random crops and flips add data for free
         # opt3: normalize, crop and flip the whole batch on the device; channels_last for the model
         images = augment(normalize(all_images[indices], run.statistics), offsets[micro_step], flips[micro_step])
         images = images.contiguous(memory_format=torch.channels_last)
@@ -137,7 +140,8 @@ def evaluate(run, test_data):
     """Mean loss and accuracy of the model on `test_data`."""
     run.model.eval()
     all_images, all_labels = test_data
-    # opt3: each image and its mirror in one batch of --batch-size: the shape cuDNN's autotuner timed in training
+    # opt3: each image and its mirror in one batch of --batch-size (if even): the shape cuDNN's autotuner timed in
+    # training, so it times no new one here
     batch_size = max(1, run.args.batch_size // 2)
     # opt3: the totals stay on the device: one read at the end, not one wait per batch
     total_loss = torch.zeros((), device=run.device)
@@ -146,13 +150,14 @@ def evaluate(run, test_data):
         for start in range(0, len(all_labels), batch_size):
             images = normalize(all_images[start:start + batch_size], run.statistics)
             labels = all_labels[start:start + batch_size]
-            # opt1: the last batch padded with blank images to a full one (their outputs are dropped): one shape
+            # opt1: the last batch padded with blank images to a full one (their outputs are dropped): one shape, so
+            # no new compiled graph or cuDNN timing for the last few images
             images = torch.cat([images, images.new_zeros(batch_size - len(images), *images.shape[1:])])
             images = torch.cat([images, images.flip(3)]).contiguous(memory_format=torch.channels_last)
             # opt1: 16-bit here too
             with torch.autocast(run.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32):
                 # opt3: average the logits of each image and its mirror (test-time augmentation), in one call
-                outputs = run.model(images).view(2, batch_size, -1).mean(0)[:len(labels)]
+                outputs = run.model(images).view(2, batch_size, -1).float().mean(0)[:len(labels)]
             total_loss += F.cross_entropy(outputs.float(), labels, reduction="sum")  # opt1: on float32 logits
             correct += (outputs.argmax(1) == labels).sum()
     return total_loss.item() / len(all_labels), correct.item() / len(all_labels)
@@ -178,11 +183,12 @@ def main():
     # opt3: channels_last (NHWC) is the layout tensor cores and the CPU's oneDNN convolutions run fastest
     model = common.ResNet10().to(device, memory_format=torch.channels_last)
     if args.compile:
-        model.compile()  # opt1: fuses operations into fewer kernels: less memory traffic and Python overhead
+        # opt1: fuses operations into fewer kernels: less memory traffic and Python overhead
+        model.compile()
     # opt2: label smoothing keeps the logits from growing without bound: better accuracy in few epochs
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     # opt1: AdamW scales each weight's step by its recent gradients, so one rate suits every layer untuned
-    # opt3: fused: one kernel updates every weight (a few on a GPU), not a dozen ops each
+    # opt3: fused: one op reads and writes each weight once (a few multi-tensor launches on a GPU), not a dozen passes
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.05, fused=True)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bfloat16 needs no scaling
     # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a

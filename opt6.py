@@ -32,7 +32,7 @@ def parse_args():
     parser = harness.build_parser(__doc__, batch_size=512, lr=0.016, epochs=20)
     # opt3: off by default: on an H200 compiling took ~38 s with an empty cache, more than all 1,950 steps of a
     # 5-epoch run take uncompiled (~7 ms each); on a 2-core CPU it saved nothing a step
-    # opt4: captured, a step took 1.81 ms uncompiled and 1.40 compiled: ~38 s of compiling pays after ~90,000 steps
+    # opt4: captured, a step took 1.81 ms uncompiled, 1.40 compiled whole (older code): ~38 s, won back in ~90,000
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                         help="torch.compile the model, a graph per image size, inside the captured step; it pays only "
                              "where the steps outlast its compiling (~80 s for the recipe's 3 sizes) (default: off)")
@@ -210,9 +210,10 @@ def draw_epoch(run, size):
     rows = size // (global_batch * args.accum_steps) * args.accum_steps
     permutation = torch.randperm(size, device=device, generator=generator)
     batches = permutation[:rows * global_batch].view(rows, run.world_size, batch_size)[:, run.rank]
-    crop_offsets, generator = 2 * common.CROP_PADDING + 1, run.augment_generator  # opt6: each rank its own crops
-    offsets = torch.randint(0, crop_offsets, (rows, 2, batch_size, 1), device=device, generator=generator)
-    flips = torch.rand((rows, batch_size, 1), device=device, generator=generator) < 0.5
+    crop_offsets = 2 * common.CROP_PADDING + 1
+    # opt6: each rank its own crops and flips
+    offsets = torch.randint(0, crop_offsets, (rows, 2, batch_size, 1), device=device, generator=run.augment_generator)
+    flips = torch.rand((rows, batch_size, 1), device=device, generator=run.augment_generator) < 0.5
     return batches, offsets, flips
 
 
@@ -229,11 +230,8 @@ def plan_epoch(run, size, epoch):
 
 
 def onecycle_schedule(max_lr, total_steps, device):
-    """OneCycleLR's learning rate for every optimizer step, on `device`.
-
-    torch's own scheduler computes them, stepped here once on a stand-in optimizer: a step reads its rate, so no
-    scheduler runs on the host between steps and no rate is baked into a captured step.
-    """
+    """OneCycleLR's learning rate for every optimizer step, on `device`: torch's own scheduler, stepped here once on a
+    stand-in optimizer, so none runs on the host between steps and no rate is baked into a captured step."""
     stand_in = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=max_lr)
     # opt4: beta1 stays at AdamW's 0.9 (no cycle_momentum): fused AdamW takes it as a number, which a capture keeps
     scheduler = torch.optim.lr_scheduler.OneCycleLR(stand_in, max_lr=max_lr, total_steps=total_steps, pct_start=0.25,
@@ -248,7 +246,6 @@ def onecycle_schedule(max_lr, total_steps, device):
 
 def adamw(parameters, lr, device):
     """torch's fused AdamW (weight decay 0.05) with its learning rate in a tensor on `device`."""
-    # opt3: fused: one kernel updates every weight (a few on a GPU), not a dozen ops each
     # opt4: the rate in a tensor, which the schedule writes in place: a float would be baked into the captured step.
     # capturable: without it torch refuses to capture the update (fused AdamW computes the same either way)
     return torch.optim.AdamW(parameters, lr=torch.tensor(lr, device=device), weight_decay=0.05, fused=True,
@@ -324,6 +321,7 @@ def micro_batch_loss(run, micro_batch, size):
     # captured step. The row is a 1-element tensor, so each gather keeps a leading dimension of 1: squeeze(0)
     row = plan.step * run.args.accum_steps + micro_batch
     indices, offsets, flips = plan.batches[row].squeeze(0), plan.offsets[row].squeeze(0), plan.flips[row].squeeze(0)
+    # opt2: normalized inputs condition the optimization; random crops and flips add data for free
     # opt3: normalize, crop and flip the whole batch on the device; channels_last for the model
     images = augment(normalize(all_images[indices], run.statistics), offsets, flips)
     # opt5: progressive resizing: a convolution's work scales with the pixels, so a 16x16 epoch has a quarter of a
@@ -377,8 +375,7 @@ def cuda_graph(step, warmup_steps=3):
     """`step` (a function of no arguments) as a function that replays it as one CUDA graph: its first `warmup_steps`
     calls run it as itself on a side stream, as PyTorch's whole-network capture does (compiling, cuDNN's autotuning
     and the optimizer's first state happen there, not in the graph); the next captures it once; then each replays it.
-    A capture that fails says why in one line; that call and every later one then run `step` as itself.
-    """
+    A capture that fails says why in one line; that call and every later one then run `step` as itself."""
     graph, calls, failed = torch.cuda.CUDAGraph(), 0, False
 
     def replay():
@@ -394,13 +391,15 @@ def cuda_graph(step, warmup_steps=3):
             torch.cuda.current_stream().wait_stream(side_stream)
             return
         if calls == warmup_steps + 1:
+            stream = torch.cuda.current_stream()
             try:
                 with torch.cuda.graph(graph):  # records the step's kernels; runs none of them
                     step()
             except Exception as error:  # an op that cannot be captured: the run goes on uncaptured, not lost
-                failed = True
-                why = (str(error).strip().splitlines() or [""])[0][:160]
-                print(f"step: not captured ({type(error).__name__}: {why}); running it as a function from step {calls}")
+                torch.cuda.set_stream(stream)  # a failed capture can leave its own stream current
+                failed, cause = True, error.__context__ or error  # the op's error, not the failed capture_end's
+                why = (str(cause).strip().splitlines() or [""])[0][:160]
+                print(f"step: not captured ({type(cause).__name__}: {why}); this step and the rest run as a function")
                 return step()  # the capture recorded this step but ran none of it
         graph.replay()
     return replay
@@ -422,7 +421,9 @@ def capture_problem(device, amp_dtype, optimizer, world_size):
 def train_one_epoch(run, train_data, epoch, monitor, size):
     """One pass over `train_data`; returns mean loss, accuracy, optimizer steps and images trained on."""
     run.model.train()
-    all_images, all_labels = train_data
+    _, all_labels = train_data  # the step gathers its images from run.train_data
+    # opt2: accumulating gradients of accum_steps micro-batches gives a big batch's step in less memory;
+    # every step gets exactly accum_steps micro-batches, so a few left over at the end are skipped
     accum_steps = run.args.accum_steps
     # opt3: the epoch's batches are drawn on the device at once and gathered there by index: no loader, no workers,
     # no host-to-device copy; its crops and flips likewise
@@ -454,7 +455,8 @@ def evaluate(run, test_data, size):
     test_size = len(test_data[1])
     # opt6: each rank evaluates its own slice of the test set; the slices' sums are added up at the end
     all_images, all_labels = (data[rank_slice(test_size, run.rank, run.world_size)] for data in test_data)
-    # opt3: each image and its mirror in one batch of --batch-size: the shape cuDNN's autotuner timed in training
+    # opt3: each image and its mirror in one batch of --batch-size (if even): the shape cuDNN's autotuner timed in
+    # training, so it times no new one here
     batch_size = max(1, run.args.batch_size // 2)
     # opt3: the totals stay on the device: one read at the end, not one wait per batch
     total_loss = torch.zeros((), device=run.device)
@@ -463,7 +465,8 @@ def evaluate(run, test_data, size):
         for start in range(0, len(all_labels), batch_size):
             images = normalize(all_images[start:start + batch_size], run.statistics)
             labels = all_labels[start:start + batch_size]
-            # opt1: the last batch padded with blank images to a full one (their outputs are dropped): one shape
+            # opt1: the last batch padded with blank images to a full one (their outputs are dropped): one shape, so
+            # no new compiled graph or cuDNN timing for the last few images
             images = torch.cat([images, images.new_zeros(batch_size - len(images), *images.shape[1:])])
             images = torch.cat([images, images.flip(3)])
             # opt5: at the size just trained on: its BatchNorm statistics are of images that size
@@ -471,7 +474,7 @@ def evaluate(run, test_data, size):
             # opt1: 16-bit here too
             with torch.autocast(run.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32):
                 # opt3: average the logits of each image and its mirror (test-time augmentation), in one call
-                outputs = run.model(images).view(2, batch_size, -1).mean(0)[:len(labels)]
+                outputs = run.model(images).view(2, batch_size, -1).float().mean(0)[:len(labels)]
             total_loss += F.cross_entropy(outputs.float(), labels, reduction="sum")  # opt1: on float32 logits
             correct += (outputs.argmax(1) == labels).sum()
     totals = torch.stack([total_loss, correct.to(total_loss.dtype)])
@@ -537,13 +540,15 @@ def train(args, rank, world_size, device):
         # recompiles at each one (its convolution backward specializes on it, torch 2.14), with less specialized kernels
         # opt6: DDP's wrapper compiled, not the model inside it: Dynamo's DDPOptimizer then splits the graph at DDP's
         # buckets, so each bucket's all-reduce overlaps the backward of the layers before it
-        train_model.compile(mode=args.compile_mode, dynamic=False)  # opt1: fuses operations into fewer kernels
+        # opt1: fuses operations into fewer kernels: less memory traffic and Python overhead
+        train_model.compile(mode=args.compile_mode, dynamic=False)
     # opt2: label smoothing keeps the logits from growing without bound: better accuracy in few epochs
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     # opt6: --lr is the rate for one process's step of --batch-size x --accum-steps images, as in opt5; world_size
     # processes make the global batch world_size times larger, averaging away noise: scale the rate by its square root
     max_lr = args.lr * world_size ** 0.5
     # opt1: AdamW scales each weight's step by its recent gradients, so one rate suits every layer untuned
+    # opt3: fused: one op reads and writes each weight once (a few multi-tensor launches on a GPU), not a dozen passes
     if args.optimizer == "muon":
         # opt5: Muon for the filters: more accuracy per epoch, for the cost of its update (see Muon);
         # Newton-Schulz in the 16-bit type the hardware runs natively, in float32 where it has none; 3 steps
