@@ -20,6 +20,7 @@ import platform
 import re
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -391,20 +392,39 @@ def update_flops(optimizer):
     return counter.get_total_flops()
 
 
-# A GPU's training time, modelled (how the recipe work is counted): each optimizer step takes its FLOPs at the
-# 240 TFLOP/s the captured step (opt4's) reached on an H200 at batch 1,024, but no less than 1.2 ms, the per-step
-# floor of a step captured whole (results/README.md, "On one GPU")
-H200_FLOPS_PER_SECOND, H200_STEP_SECONDS = 240e12, 1.2e-3
+# A GPU's training time, modelled (how the recipe work is counted): a step costs a fixed part (its launch, the
+# update, the kernels too small to fill the GPU) plus a part for each image x pixel it trains on, fitted by least
+# squares to steps measured on an H200: (images a step, image side, ms a step). PROVISIONAL: these are the probe's
+# uncompiled step captured with AdamW alone (results/h200-d264298/capture-probe-2.log), not the recipe script's own
+# default path, and a step with Muon adds H200_MUON_STEP_SECONDS, the gap between this fit and the steps compiled
+# with Muon (results/README.md, "The modelled H200 time")
+H200_MEASURED_STEPS = [(128, 32, 1.806), (512, 16, 1.862), (512, 24, 3.157), (512, 32, 4.793)]
+H200_MUON_STEP_SECONDS = 0.6e-3
+H200_MODEL = "provisional: fitted to the uncompiled step captured with AdamW alone, +0.6 ms a step with Muon"
 
 
-def count_work(records, step_update_flops):
+@functools.cache
+def h200_step_fit():
+    """(fixed seconds, seconds per image x pixel) of an H200 step, least squares over H200_MEASURED_STEPS."""
+    pixels = [images * side ** 2 for images, side, _ in H200_MEASURED_STEPS]
+    per_pixel, fixed = statistics.linear_regression(pixels, [ms / 1000 for _, _, ms in H200_MEASURED_STEPS])
+    return fixed, per_pixel
+
+
+def modelled_h200_step_seconds(images_per_step, side, muon):
+    """An H200 step's seconds by the model above: `images_per_step` images of side x side, with Muon or not."""
+    fixed, per_pixel = h200_step_fit()
+    return fixed + per_pixel * images_per_step * side ** 2 + H200_MUON_STEP_SECONDS * muon
+
+
+def count_work(records, step_update_flops, muon):
     """Add each epoch's training FLOPs (forward, backward and update, at its image size) and its modelled H200
-    seconds to its record; returns both summed over the run."""
+    seconds (with Muon or not) to its record; returns both summed over the run."""
     for record in records:
-        images_per_step = record["images"] / record["steps"]
-        step_flops = images_per_step * training_flops_per_image(record.get("image_size") or 32) + step_update_flops
-        record["training_flops"] = record["steps"] * step_flops
-        record["modelled_h200_seconds"] = record["steps"] * max(H200_STEP_SECONDS, step_flops / H200_FLOPS_PER_SECOND)
+        images_per_step, side = record["images"] / record["steps"], record.get("image_size") or 32
+        record["training_flops"] = record["steps"] * (images_per_step * training_flops_per_image(side) +
+                                                      step_update_flops)
+        record["modelled_h200_seconds"] = record["steps"] * modelled_h200_step_seconds(images_per_step, side, muon)
     return {name: sum(record[name] for record in records) for name in ("training_flops", "modelled_h200_seconds")}
 
 
@@ -568,7 +588,9 @@ def report(script, run, records, total_seconds):
     setup_seconds = seconds_since_launch() - total_seconds
     summary = summarize(records, total_seconds, peak_memory_bytes(device), training_flops_per_image())
     summary["setup_seconds"] = setup_seconds
-    summary.update(count_work(records, update_flops(optimizer)), final_lr=float(optimizer.param_groups[0]["lr"]))
+    muon = type(optimizer).__name__ == "Muon"  # its update adds to the modelled step (see H200_MODEL)
+    summary.update(count_work(records, update_flops(optimizer), muon), modelled_h200=H200_MODEL,
+                   final_lr=float(optimizer.param_groups[0]["lr"]))
     memory_kind = "GPU max allocated" if device.type == "cuda" else "CPU peak RSS"
     peak = summary["peak_memory_bytes"]
     memory = f"{peak / 2**30:.2f} GiB ({memory_kind})" if peak is not None else "not measured on this system"

@@ -28,7 +28,7 @@ def parse_args():
     # opt2: a bigger batch keeps the GPU busy with fewer, larger kernels and fewer optimizer steps
     # opt5: the recipe, chosen on 5,000 held-out training images: 20 epochs of batch 512 are as many steps as 5 of
     # 128 (1,940), and a GPU's small step costs its fixed per-step time, not its images: 90.5 % on the test set
-    # (5 epochs of 128: 86.4 %) in 4.1 s of modelled H200 time (2.3 s); lr 0.016 = 0.008 x sqrt(4), for 4x the batch
+    # (5 epochs of 128: 86.4 %) in 7.3 s of H200 steps, modelled (results/README.md); lr 0.016 = 0.008 x sqrt(4)
     parser = harness.build_parser(__doc__, batch_size=512, lr=0.016, epochs=20)
     # opt3: off by default: on an H200 compiling took ~38 s with an empty cache, more than all 1,950 steps of a
     # 5-epoch run take uncompiled (~7 ms each); on a 2-core CPU it saved nothing a step

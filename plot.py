@@ -216,7 +216,18 @@ def read_row(row):
         row["change"] = today(row["change"])
     if "rows" in row:
         row["rows"] = [{**summary_row, "name": today(summary_row["name"])} for summary_row in row["rows"]]
+    if "modelled_h200_seconds" in row:
+        row.update(modelled_today(row))
     return row
+
+
+def modelled_today(row):
+    """A row's epochs and its modelled H200 seconds by today's model (harness.modelled_h200_step_seconds), whichever
+    model wrote it: rows of every date compare on one rule."""
+    muon = row["settings"].get("optimizer") == "muon"  # rows from before --optimizer ran AdamW
+    epochs = [dict(record, modelled_h200_seconds=record["steps"] * harness.modelled_h200_step_seconds(
+        record["images"] / record["steps"], record.get("image_size") or 32, muon)) for record in row["epochs"]]
+    return {"epochs": epochs, "modelled_h200_seconds": sum(record["modelled_h200_seconds"] for record in epochs)}
 
 
 def read_lines(path):
@@ -430,7 +441,7 @@ def recipe_curve(recipe, others):
                          if run["script"] == "opt4.py" and run["cpu"] == cpu and on_the_test_set(run)
                          and len(run["epochs"]) == DEFAULT_EPOCHS)
     for run in opt4:
-        run.update(harness.count_work(run["epochs"], 0))  # on the copies: AdamW's update counts no matmul
+        run.update(harness.count_work(run["epochs"], 0, muon=False))  # on the copies: AdamW's update counts no matmul
     lines = ["| run | image sizes x epochs | seeds | test acc %, mean (each) | steps | training PFLOP "
              "| modelled H200 s | launch to result min (CPU) |", "|---" * 8 + "|"]
     if opt4:
