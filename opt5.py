@@ -233,10 +233,9 @@ class Muon(torch.optim.Optimizer):
         lr, beta1 = group["lr"], group["betas"][0]  # lr a tensor (see adamw): foreach ops take it without a host read
         # opt5: each update below is one foreach op over all the filters, not one op per filter
         torch._foreach_mul_(filters, 1 - lr * group["weight_decay"])  # decoupled weight decay, as AdamW's
-        torch._foreach_mul_(momenta, beta1)
-        torch._foreach_add_(momenta, torch._foreach_mul(grads, 1 - beta1))
+        torch._foreach_lerp_(momenta, grads, 1 - beta1)  # beta1 x momentum + (1 - beta1) x gradient, in one op
         # Nesterov momentum: the gradient moved a beta1 of the way to the new momentum
-        updates = torch._foreach_add(torch._foreach_mul(grads, 1 - beta1), torch._foreach_mul(momenta, beta1))
+        updates = torch._foreach_lerp(grads, momenta, beta1)
         # each filter as a matrix, orthogonalized, and scaled to AdamW's step size
         updates = [orthogonalize(update.flatten(1), self.steps, self.dtype).view_as(update) for update in updates]
         torch._foreach_mul_(updates, [-0.2 * max(update.shape[0], update[0].numel()) ** 0.5 for update in updates])
