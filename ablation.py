@@ -157,18 +157,21 @@ def score(run, test_data):
     """
     run.model.eval()
     all_images, all_labels = test_data
-    batch_size = run.args.batch_size
+    batch_size = max(1, run.args.batch_size // 2)  # with their mirrors, a batch of --batch-size, as opt5's evaluate
     one_view, pairs, seconds = [], [], []  # per shift: the image's logits, and the mean of it and its mirror's
     with torch.inference_mode():
         for rows, columns in [(0, 0), (-1, -1), (1, 1)]:  # as is, one pixel up-left, one pixel down-right
             start, firsts, means = common.now(run.device), [], []
             for first in range(0, len(all_labels), batch_size):
                 images = opt5.normalize(all_images[first:first + batch_size], run.statistics)
-                images = shifted(images, rows, columns).contiguous(memory_format=torch.channels_last)
+                count = len(images)
+                images = torch.cat([images, images.new_zeros(batch_size - count, *images.shape[1:])])  # as opt5 pads
+                images = shifted(images, rows, columns)
+                images = torch.cat([images, images.flip(3)]).contiguous(memory_format=torch.channels_last)
                 with torch.autocast(run.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32):
-                    outputs = run.model(torch.cat([images, images.flip(3)])).view(2, len(images), -1)
-                firsts.append(outputs[0].float())
-                means.append(outputs.mean(0).float())  # the mean in the autocast type, as opt5 takes it
+                    outputs = run.model(images).view(2, batch_size, -1)[:, :count].float()
+                firsts.append(outputs[0])
+                means.append(outputs.mean(0))  # the mean in float32, as opt5 takes it
             one_view.append(torch.cat(firsts))
             pairs.append(torch.cat(means))
             seconds.append(common.now(run.device) - start)
