@@ -46,6 +46,12 @@ def parse_args():
                         help="weight of the uniform target mixed into each label (default: 0.1)")
     parser.add_argument("--min-size", type=int, default=16, choices=[8, 16, 24, 32],
                         help="image size of the first epoch; it grows to the full size (32) by the last (default: 16)")
+    parser.add_argument("--full-size-share", type=harness.fraction, default=0.3,
+                        help="share of the epochs at the full size, the last ones (at least one); the smaller sizes "
+                             "share the rest equally (default: 0.3)")
+    parser.add_argument("--min-size-batch", type=harness.positive_int,
+                        help="images per step in the epochs at --min-size, if below the full size: a small image's "
+                             "step is cheap, so its fixed cost weighs most (default: --batch-size)")
     parser.add_argument("--monitor-size", type=harness.positive_int, default=1000,
                         help="test images evaluated after each epoch but the last, which evaluates them all "
                              "(default: 1000)")
@@ -57,7 +63,8 @@ def parse_args():
                              "speed record) runs; 5, torch.optim.Muon's default, is 5/3 the matmul work (default: 3)")
     args = parser.parse_args()
     world_size = int(os.environ["WORLD_SIZE"]) if started_by_torchrun() else 1  # opt6: processes in the job
-    return harness.check_args(args, images_per_step=args.batch_size * args.accum_steps * world_size)
+    largest_batch = max(args.batch_size, args.min_size_batch or 0)
+    return harness.check_args(args, images_per_step=largest_batch * args.accum_steps * world_size)
 
 
 def started_by_torchrun():
@@ -169,11 +176,14 @@ def augment(images, offsets, flips):
     return padded[image_index, channel_index, rows.view(batch, 1, height, 1), columns.view(batch, 1, 1, width)]
 
 
-def image_size(epoch, epochs, min_size, full_size):
-    """The side of the images trained on in `epoch`, from min_size up in steps of 8: each size gets an equal share
-    of the epochs (the smaller ones any left over) and the last epoch is at full_size: 16,16,24,24,32,32 for 6."""
-    sizes = range(min_size, full_size + 1, 8)
-    return sizes[(epoch - 1) * len(sizes) // epochs] if epoch < epochs else full_size
+def image_sizes(epochs, min_size, full_size, full_share):
+    """The side of the images trained on in each epoch, from min_size up in steps of 8: the last full_share of the
+    epochs (rounded, at least one) at full_size, the smaller sizes an equal share of the rest each (the smaller ones
+    any left over): 16,16,16,16,24,24,24,32,32,32,32,32 for 12 epochs and a share of 0.4."""
+    smaller = range(min_size, full_size, 8)
+    at_full = max(1, round(full_share * epochs)) if smaller else epochs
+    rest = epochs - at_full
+    return [smaller[epoch * len(smaller) // rest] for epoch in range(rest)] + [full_size] * at_full
 
 
 def downscale(images, size):
@@ -183,10 +193,10 @@ def downscale(images, size):
     return F.interpolate(images, size=(size, size), mode="area")
 
 
-def empty_plan(steps, args, device):
+def empty_plan(steps, batch_size, args, device):
     """The buffers one epoch's steps read and write, on the device: each micro-batch's image indices, crop offsets and
     flips, each step's learning rate, the step counter, and each micro-batch's loss and the correct count."""
-    rows, batch_size = steps * args.accum_steps, args.batch_size
+    rows = steps * args.accum_steps
     return SimpleNamespace(
         batches=torch.zeros(rows, batch_size, dtype=torch.long, device=device),
         offsets=torch.zeros(rows, 2, batch_size, 1, dtype=torch.long, device=device),
@@ -206,7 +216,8 @@ def draw_epoch(run, size):
     args, generator, device = run.args, run.generator, run.device
     # opt6: every rank draws the same permutation (same seed) and cuts it into global batches of world_size x
     # batch_size; rank r takes the r-th slice of each, so the shares are disjoint
-    global_batch, batch_size = args.batch_size * run.world_size, args.batch_size
+    batch_size = run.plan.batches.shape[1]  # opt5: the batch of this epoch's image size
+    global_batch = batch_size * run.world_size
     rows = size // (global_batch * args.accum_steps) * args.accum_steps
     permutation = torch.randperm(size, device=device, generator=generator)
     batches = permutation[:rows * global_batch].view(rows, run.world_size, batch_size)[:, run.rank]
@@ -219,11 +230,11 @@ def draw_epoch(run, size):
 
 def plan_epoch(run, size, epoch):
     """Draw `epoch` (draw_epoch) into the plan, with its rows of the schedule, and start its counters at 0."""
-    plan, steps = run.plan, len(run.plan.schedule)
+    plan = run.plan
     batches, offsets, flips = draw_epoch(run, size)
     # opt4: copy_ writes into the buffers the captured step reads, at the addresses it was captured with
     for buffer, values in ((plan.batches, batches), (plan.offsets, offsets), (plan.flips, flips),
-                           (plan.schedule, run.schedule[(epoch - 1) * steps:epoch * steps])):
+                           (plan.schedule, run.schedule[epoch - 1])):
         buffer.copy_(values)
     for counter in (plan.step, plan.losses, plan.correct):
         counter.zero_()
@@ -424,6 +435,8 @@ def train_one_epoch(run, train_data, epoch, monitor, size):
     # opt2: accumulating gradients of accum_steps micro-batches gives a big batch's step in less memory;
     # every step gets exactly accum_steps micro-batches, so a few left over at the end are skipped
     accum_steps = run.args.accum_steps
+    # opt5: each image size has its own batch, so its own plan: its captured step reads that plan's addresses
+    run.plan = run.plans[size]
     # opt3: the epoch's batches are drawn on the device at once and gathered there by index: no loader, no workers,
     # no host-to-device copy; its crops and flips likewise
     plan_epoch(run, len(all_labels), epoch)
@@ -441,7 +454,7 @@ def train_one_epoch(run, train_data, epoch, monitor, size):
     if run.world_size > 1:
         dist.all_reduce(totals)  # opt6: loss, accuracy and images/s count every rank's share
     loss_sum, correct_sum, micro_batches = totals.tolist()
-    images_seen = int(micro_batches) * run.args.batch_size
+    images_seen = int(micro_batches) * run.plan.batches.shape[1]
     return loss_sum / micro_batches, correct_sum / images_seen, len(losses) // accum_steps, images_seen
 
 
@@ -456,7 +469,7 @@ def evaluate(run, test_data, size):
     all_images, all_labels = (data[rank_slice(test_size, run.rank, run.world_size)] for data in test_data)
     # opt3: each image and its mirror in one batch of --batch-size (if even): the shape cuDNN's autotuner timed in
     # training, so it times no new one here
-    batch_size = max(1, run.args.batch_size // 2)
+    batch_size = max(1, run.plans[size].batches.shape[1] // 2)  # opt5: the batch trained on at this size
     # opt3: the totals stay on the device: one read at the end, not one wait per batch
     total_loss = torch.zeros((), device=run.device)
     correct = torch.zeros((), dtype=torch.long, device=run.device)
@@ -558,10 +571,15 @@ def train(args, rank, world_size, device):
     else:
         optimizer = adamw(model.parameters(), max_lr, device)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bfloat16 needs no scaling
+    full_size = train_set.data.shape[1]  # opt5: CIFAR-10's 32 x 32, the size the last epochs train on
+    sizes = image_sizes(args.epochs, args.min_size, full_size, args.full_size_share)
+    # opt5: a bigger batch at the smallest size (--min-size-batch): fewer steps, so less of the fixed cost each pays
+    batch_sizes = {size: args.min_size_batch if size == args.min_size < full_size and args.min_size_batch
+                   else args.batch_size for size in sizes}
     # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a
     # fixed rate; its length counts optimizer steps, not micro-batches
-    steps_per_epoch = len(train_set) // (args.batch_size * world_size) // args.accum_steps
-    total_steps = args.epochs * steps_per_epoch
+    epoch_steps = [len(train_set) // (batch_sizes[size] * world_size) // args.accum_steps for size in sizes]
+    total_steps = sum(epoch_steps)
     if total_steps < 5:
         common.fail(f"{total_steps} optimizer steps in all are too few for OneCycleLR's warm-up (it needs 5); "
                     "use more --epochs or --train-size")
@@ -581,11 +599,11 @@ def train(args, rank, world_size, device):
         train_data=train_data,
         statistics=channel_statistics(device),
         # opt4: the schedule as a table on the device, and the plan: the buffers every step reads and writes
-        schedule=onecycle_schedule(max_lr, total_steps, device),
-        plan=empty_plan(steps_per_epoch, args, device),
+        # opt5: the table cut into each epoch's rows, and a plan for each image size's batch
+        schedule=onecycle_schedule(max_lr, total_steps, device).split(epoch_steps),
+        plans={size: empty_plan(steps, batch_sizes[size], args, device)
+               for size, steps in dict(zip(sizes, epoch_steps)).items()},
     )
-    full_size = train_set.data.shape[1]  # opt5: CIFAR-10's 32 x 32, the size the last epochs train on
-    sizes = {image_size(epoch, args.epochs, args.min_size, full_size) for epoch in range(1, args.epochs + 1)}
     run.train_steps = {size: functools.partial(train_step, run, size) for size in sizes}
     why_not = capture_problem(device, amp_dtype, optimizer, world_size)
     if why_not is None:
@@ -601,8 +619,7 @@ def train(args, rank, world_size, device):
     monitor_data = [data[subset.to(device)] for data in test_data]
     records = []
     start = common.now(device)
-    for epoch in range(1, args.epochs + 1):
-        size = image_size(epoch, args.epochs, args.min_size, full_size)
+    for epoch, size in enumerate(sizes, 1):
         profile_dir = args.profile if epoch == args.epochs and rank == 0 else None
         with harness.step_monitor(epoch, profile_dir, device) as monitor:
             epoch_start = common.now(device)

@@ -378,7 +378,14 @@ def recipe_table(runs):
 
 # opt5's defaults since the recipe work; a test checks opt5.py's parser gives them
 RECIPE = {"epochs": 20, "batch_size": 512, "lr": 0.016, "optimizer": "muon", "ns_steps": 3, "min_size": 16,
-          "label_smoothing": 0.1, "accum_steps": 1, "train_size": None}
+          "full_size_share": 0.3, "min_size_batch": None, "label_smoothing": 0.1, "accum_steps": 1, "train_size": None}
+# opt5's flags younger than some rows, with what those rows ran: 20 epochs split 7, 7, 6 by size, one batch
+ADDED_LATER = {"full_size_share": 0.3, "min_size_batch": None}
+
+
+def setting(run, name):
+    """A run's setting `name`, or what opt5 ran before the flag existed; None where neither says."""
+    return run["settings"].get(name, ADDED_LATER.get(name))
 
 
 def on_the_test_set(run):
@@ -400,7 +407,7 @@ def recipe_runs(runs, epochs=RECIPE["epochs"]):
     wanted = {**RECIPE, "epochs": epochs}
     return last_per_seed(run for run in runs if run["script"] == "opt5.py" and on_the_test_set(run)
                          and run.get("row", "shipped") == "shipped"
-                         and all(run["settings"].get(name) == value for name, value in wanted.items()))
+                         and all(setting(run, name) == value for name, value in wanted.items()))
 
 
 def recipe_summary(runs):
@@ -458,7 +465,7 @@ def row_is_at_the_recipes_length(row):
     _, row_flags, _, _ = ablation.ROWS[ablation.ROW_NAMES.index(row["row"])]
     own = {flag[2:].replace("-", "_") for flag in row_flags if flag.startswith("--")}
     return row["script"] == "opt5.py" and on_the_test_set(row) and all(
-        row["settings"].get(name) == value for name, value in RECIPE.items() if name not in own)
+        setting(row, name) == value for name, value in RECIPE.items() if name not in own)
 
 
 def recipe_ablation(recipe):

@@ -28,8 +28,9 @@ amp_dtype, _ = opt5.autocast_dtype(device)
 model = common.ResNet10().to(device, memory_format=torch.channels_last)
 if mode == "compiled":
     model.compile(dynamic=False)
-run = SimpleNamespace(model=model, device=device, amp_dtype=amp_dtype, args=SimpleNamespace(batch_size=batch_size),
-                      statistics=opt5.channel_statistics(device))
+run = SimpleNamespace(model=model, device=device, amp_dtype=amp_dtype, statistics=opt5.channel_statistics(device),
+                      plans={size: opt5.empty_plan(1, batch_size, SimpleNamespace(accum_steps=1), device)
+                             for size in (16, 24, 32)})
 torch.compile(lambda x: (x.relu() + 1).sum())(torch.randn(64))
 
 
@@ -44,8 +45,7 @@ def padded(count):
 monitor, test = padded(1000), padded(10000)
 print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {amp_dtype}, {mode}")
 total = 0.0
-for epoch in range(1, 21):
-    size = opt5.image_size(epoch, 20, 16, full_size=32)
+for epoch, size in enumerate(opt5.image_sizes(20, 16, 32, full_share=0.3), 1):
     data = test if epoch == 20 else monitor
     start = time.perf_counter()
     (opt5.evaluate.__wrapped__ if mode == "compiled" else opt5.evaluate)(run, data, size)
