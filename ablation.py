@@ -13,6 +13,13 @@ recipe: 20 epochs of batch 512, Muon) with its one change. The rows of results/a
 to nesterov) were measured before the recipe, with AdamW at 5 epochs of batch 128: give those names to --rows with
 `--epochs 5 --batch-size 128 --lr 0.008 --optimizer adamw --json results/ablation.jsonl` to run them again. The
 rows run one after another: time them with nothing else running on the machine.
+
+The last four rows are bundles that name every setting they change: the recipe at 20 epochs, a 12-epoch bundle
+modelled at half its H200 time, and that bundle with changes meant to win accuracy back. They are chosen on 5,000
+held-out training images, a few seeds each; on a GPU each row takes seconds:
+
+    python ablation.py --rows twenty-epochs twelve-epochs twelve-epochs+schedule+batchnorm \
+        twelve-epochs+schedule+batchnorm+whitening --seeds 0 1 2 --validation 5000 --json screen.jsonl
 """
 import argparse
 import json
@@ -120,23 +127,84 @@ def nesterov_sgd(patch):
     patch(opt5, "adamw", sgd)
 
 
-# (row, opt5 flags, technique or None, what it changes)
+def short_schedule(patch, warmup=0.05, peak=1.4):
+    """OneCycleLR warmed up over 5 % of the steps (not 25 %) to 1.4 x the peak rate, then down to 0 in a straight
+    line (not a cosine): a short run spends more of its steps near its peak."""
+    one_cycle = torch.optim.lr_scheduler.OneCycleLR
+
+    def shorter(optimizer, max_lr, total_steps, **settings):
+        return one_cycle(optimizer, max_lr=max_lr * peak, total_steps=total_steps,
+                         **{**settings, "pct_start": warmup, "anneal_strategy": "linear"})
+    patch(torch.optim.lr_scheduler, "OneCycleLR", shorter)
+
+
+def batchnorm_without_decay(patch, rate=2.0):
+    """Every 1-D parameter (BatchNorm's scales and biases, the classifier's bias) in an AdamW group of its own, without
+    weight decay and at `rate` x the schedule's rate; the other weights as before."""
+    build = opt5.adamw
+
+    def adamw(parameters, lr, device):
+        parameters = list(parameters)
+        vectors = [parameter for parameter in parameters if parameter.ndim == 1]
+        others = [parameter for parameter in parameters if parameter.ndim != 1]
+        own_rate = torch.tensor(lr, device=device)  # a tensor of its own, which the schedule writes too
+        optimizer = build([{"params": others}, {"params": vectors, "lr": own_rate, "weight_decay": 0.0}], lr, device)
+        # the schedule writes its rate into every group before each step; the vectors' is then scaled, on the device
+        optimizer.register_step_pre_hook(lambda *_: own_rate.mul_(rate))
+        return optimizer
+    patch(opt5, "adamw", adamw)
+
+
+def whitening_at_each_size(patch, images_used=5000):
+    """The frozen whitening stem (whitening_stem), its filters computed again from the training images shrunk to each
+    new image size before its first epoch: a 16x16 image's 3x3 patches span more of it than a 32x32 one's."""
+    whitening_stem(patch, images_used)
+    train, whitened = opt5.train_one_epoch, {}
+
+    def train_one_epoch(run, train_data, epoch, monitor, size):
+        if whitened.get("size") != size:
+            images = opt5.downscale(opt5.normalize(run.train_data[0][:images_used], run.statistics), size)
+            weights = whitening_weights(images.cpu())
+            with torch.no_grad():
+                run.model.stem[0].weight[:len(weights)].copy_(weights)  # in place: a captured step keeps its address
+            whitened["size"] = size
+        return train(run, train_data, epoch, monitor, size)
+    patch(opt5, "train_one_epoch", train_one_epoch)
+
+
+# The recipe at 20 epochs, and the 12-epoch bundle: batch 1024 at a rate scaled by sqrt(2), 2048 at 16x16, 5 of its
+# 12 epochs at 32x32; each row names all its settings, so it stays itself whatever opt5's defaults are
+TWENTY_EPOCHS = ["--epochs", "20", "--batch-size", "512", "--min-size-batch", "512", "--lr", "0.016",
+                 "--full-size-share", "0.3"]
+TWELVE_EPOCHS = ["--epochs", "12", "--batch-size", "1024", "--min-size-batch", "2048", "--lr", "0.0226",
+                 "--full-size-share", "0.4"]
+# (row, opt5 flags, techniques, what it changes)
 ROWS = [
-    ("shipped", [], None, "opt5 as shipped"),
-    ("no-resizing", ["--min-size", "32"], None, "progressive resizing off: 32x32 every epoch"),
-    ("full-eval", ["--monitor-size", str(common.CIFAR10_TEST_SIZE)], None,
+    ("shipped", [], (), "opt5 as shipped"),
+    ("no-resizing", ["--min-size", "32"], (), "progressive resizing off: 32x32 every epoch"),
+    ("full-eval", ["--monitor-size", str(common.CIFAR10_TEST_SIZE)], (),
      "the whole test set after every epoch instead of the 1,000-image monitor"),
-    ("zero-init", [], zero_init_residuals, "zero-init of each residual block's last BatchNorm scale"),
-    ("whitening", [], whitening_stem, "frozen whitening stem (3x3 patch eigenvectors)"),
-    ("smoothing-0.2", ["--label-smoothing", "0.2"], None, "label smoothing 0.2 instead of 0.1"),
-    ("alternating-flip", [], alternating_flip, "alternating flip instead of a coin per image per epoch"),
-    ("ema", [], ema_of_the_weights, "EMA of the weights (decay 0.99 per step), scored instead of the last weights"),
-    ("nesterov", ["--optimizer", "adamw", "--lr", "0.2"], nesterov_sgd,
+    ("zero-init", [], (zero_init_residuals,), "zero-init of each residual block's last BatchNorm scale"),
+    ("whitening", [], (whitening_stem,), "frozen whitening stem (3x3 patch eigenvectors)"),
+    ("smoothing-0.2", ["--label-smoothing", "0.2"], (), "label smoothing 0.2 instead of 0.1"),
+    ("alternating-flip", [], (alternating_flip,), "alternating flip instead of a coin per image per epoch"),
+    ("ema", [], (ema_of_the_weights,), "EMA of the weights (decay 0.99 per step), scored instead of the last weights"),
+    ("nesterov", ["--optimizer", "adamw", "--lr", "0.2"], (nesterov_sgd,),
      "Nesterov SGD (lr 0.2, momentum 0.9, wd 5e-4) for every weight instead of Muon or AdamW"),
-    ("adamw", ["--optimizer", "adamw"], None, "AdamW for the filters too instead of Muon"),
-    ("smoothing-0", ["--label-smoothing", "0"], None, "no label smoothing instead of 0.1"),
-    ("epochs-5-batch-128", ["--epochs", "5", "--batch-size", "128", "--lr", "0.008"], None,
+    ("adamw", ["--optimizer", "adamw"], (), "AdamW for the filters too instead of Muon"),
+    ("smoothing-0", ["--label-smoothing", "0"], (), "no label smoothing instead of 0.1"),
+    ("epochs-5-batch-128", ["--epochs", "5", "--batch-size", "128", "--lr", "0.008"], (),
      "5 epochs of batch 128 at lr 0.008 (opt5's defaults before the recipe) instead of 20 of 512 at 0.016"),
+    ("twenty-epochs", TWENTY_EPOCHS, (), "the recipe: 20 epochs of batch 512 at lr 0.016, 7, 7 and 6 of them at 16, "
+                                         "24 and 32 px"),
+    ("twelve-epochs", TWELVE_EPOCHS, (), "12 epochs: 4 at 16 px in batches of 2048, then 3 at 24 and 5 at 32 in "
+                                         "batches of 1024, lr 0.0226"),
+    ("twelve-epochs+schedule+batchnorm", TWELVE_EPOCHS, (short_schedule, batchnorm_without_decay),
+     "twelve-epochs with a 5 % warm-up to 1.4x the rate and a linear decay to 0, and BatchNorm's parameters without "
+     "weight decay at 2x the rate"),
+    ("twelve-epochs+schedule+batchnorm+whitening", TWELVE_EPOCHS,
+     (short_schedule, batchnorm_without_decay, whitening_at_each_size),
+     "twelve-epochs+schedule+batchnorm with a frozen whitening stem computed again at each image size"),
 ]
 ROW_NAMES = [name for name, *_ in ROWS]
 
@@ -148,6 +216,15 @@ def shifted(images, rows, columns):
     padded = F.pad(images, (1, 1, 1, 1), mode="reflect")
     height, width = images.shape[-2:]
     return padded[..., 1 - rows:1 - rows + height, 1 - columns:1 - columns + width]
+
+
+def modelled_h200_extra_view_seconds(images, batch_size, side=32):
+    """The 4 views beyond opt5's 2 on an H200, modelled: two more calls of a batch of `batch_size` (half of them
+    mirrors) per half-batch of `images`, each a third of a training step of that batch by harness's step model (a
+    forward pass is about a third of forward and backward; its fixed part too, not measured)."""
+    calls = 2 * -(-images // max(1, batch_size // 2))
+    fixed, per_pixel = harness.h200_step_fit()
+    return calls * (fixed + per_pixel * batch_size * side ** 2) / 3
 
 
 def score(run, test_data):
@@ -192,6 +269,9 @@ def parse_args():
     parser.add_argument("--json", metavar="PATH", default="results/recipe.jsonl",
                         help="append one JSON line per row: opt5's report and the row's scores "
                              "(default: results/recipe.jsonl, with the recipe's other runs)")
+    parser.add_argument("--seeds", nargs="+", type=int, metavar="SEED",
+                        help="run every row once per seed, the rows of a seed before the next seed's (default: "
+                             "opt5's --seed alone)")
     parser.add_argument("--row", choices=ROW_NAMES, help=argparse.SUPPRESS)  # one row, in this process
     args, opt5_flags = parser.parse_known_args()
     command_line = sys.argv
@@ -209,8 +289,8 @@ def parse_args():
 
 def run_row(name, opt5_flags, json_path):
     """Apply the row's technique in this process, run opt5's main(), score the final weights, append one line."""
-    _, row_flags, technique, change = ROWS[ROW_NAMES.index(name)]
-    if technique is not None:
+    _, row_flags, techniques, change = ROWS[ROW_NAMES.index(name)]
+    for technique in techniques:
         technique(setattr)
     evaluate, last_evaluation = opt5.evaluate, []
 
@@ -228,11 +308,13 @@ def run_row(name, opt5_flags, json_path):
         run.model.load_state_dict(run.average, strict=False)
     scores = score(run, test_data)
     with_extra_views = report["launch_to_result_seconds"] + scores["extra_view_seconds"]
+    modelled_views = modelled_h200_extra_view_seconds(len(test_data[1]), run.args.batch_size)
     print(f"row {name}: test acc {100 * scores['1_view']:.2f}% from 1 view, {100 * scores['2_views']:.2f}% from 2, "
           f"{100 * scores['6_views']:.2f}% from 6 (+{scores['extra_view_seconds']:.0f} s) | "
           f"{report['launch_to_result_seconds']:.0f} s from launch to result", flush=True)
     line = {**report, "command": shlex.join(["python", "ablation.py", "--rows", name, *opt5_flags]), "row": name,
-            "change": change, **scores, "launch_to_result_6_views_seconds": with_extra_views}
+            "change": change, **scores, "launch_to_result_6_views_seconds": with_extra_views,
+            "modelled_h200_6_views_seconds": report["modelled_h200_seconds"] + modelled_views}
     with open(json_path, "a") as file:
         file.write(json.dumps(line) + "\n")
 
@@ -243,13 +325,15 @@ def main():
         return run_row(args.row, opt5_flags, args.json)
     # Each row in a fresh process, launched as this one was: python and any wrapper script before ablation.py
     launcher = [sys.executable, *sys.orig_argv[1:len(sys.orig_argv) - len(sys.argv)]]
-    for number, name in enumerate(args.rows, 1):
-        print(f"\n== row {number}/{len(args.rows)}: {name}: {ROWS[ROW_NAMES.index(name)][3]}", flush=True)
-        returncode = subprocess.run([*launcher, __file__, "--row", name, "--json", args.json, *opt5_flags]).returncode
+    runs = [(name, [*opt5_flags, *(["--seed", str(seed)] if seed is not None else [])])
+            for seed in args.seeds or [None] for name in args.rows]
+    for number, (name, flags) in enumerate(runs, 1):
+        print(f"\n== row {number}/{len(runs)}: {name}: {ROWS[ROW_NAMES.index(name)][3]}", flush=True)
+        returncode = subprocess.run([*launcher, __file__, "--row", name, "--json", args.json, *flags]).returncode
         if returncode != 0:
             common.fail(f"row {name} ended with exit code {returncode}; the rows before it are in {args.json}",
                         code=returncode)
-    print(f"\n{len(args.rows)} rows appended to {args.json}; `python plot.py --tables` prints them as a table")
+    print(f"\n{len(runs)} rows appended to {args.json}; `python plot.py --tables` prints them as a table")
 
 
 if __name__ == "__main__":

@@ -96,12 +96,15 @@ def assemble_the_step(module, run, epochs):
     run.train_data, a constant schedule (the optimizer's rate) for `epochs` epochs, and the step."""
     run.criterion = getattr(run, "criterion", None) or nn.CrossEntropyLoss()
     steps = len(run.train_data[1]) // (run.args.batch_size * run.world_size) // run.args.accum_steps
-    run.plan = module.empty_plan(steps, run.args, run.device)
     rate = run.optimizer.param_groups[0]["lr"]  # a tensor from opt4 on: read without a host read
     run.schedule = rate.repeat(steps * epochs)
-    if "size" in inspect.signature(module.train_step).parameters:  # opt5 onwards: a step per image size
-        run.train_steps = {size: functools.partial(module.train_step, run, size) for size in (8, 16, 24, 32)}
+    if "size" in inspect.signature(module.train_step).parameters:  # opt5 onwards: a step and a plan per image size
+        sizes = (8, 16, 24, 32)
+        run.plans = {size: module.empty_plan(steps, run.args.batch_size, run.args, run.device) for size in sizes}
+        run.plan, run.schedule = run.plans[32], run.schedule.split(steps)
+        run.train_steps = {size: functools.partial(module.train_step, run, size) for size in sizes}
     else:
+        run.plan = module.empty_plan(steps, run.args, run.device)
         run.train_step = functools.partial(module.train_step, run)
 
 
@@ -820,7 +823,7 @@ def test_the_recipes_defaults_take_as_many_steps_as_five_epochs_of_128_in_7_3_mo
     assert {name: getattr(args, name) for name in plot.RECIPE} == plot.RECIPE == {  # plot.py's tables
         "epochs": 20, "batch_size": 512, "lr": 0.016, "optimizer": "muon", "ns_steps": 3, "min_size": 16,
         "label_smoothing": 0.1, "accum_steps": 1, "train_size": None}
-    sizes = [module.image_size(epoch, args.epochs, args.min_size, 32) for epoch in range(1, args.epochs + 1)]
+    sizes = module.image_sizes(args.epochs, args.min_size, 32, args.full_size_share)
     assert [(size, sizes.count(size)) for size in (16, 24, 32)] == [(16, 7), (24, 7), (32, 6)]
     steps = common.CIFAR10_TRAIN_SIZE // args.batch_size
     records = [{"image_size": size, "steps": steps, "images": steps * args.batch_size} for size in sizes]
@@ -1516,14 +1519,17 @@ def test_opt4_accumulating_k_micro_batches_equals_one_big_batch(script, monkeypa
 
 # ---------------------------------------------------- opt5: progressive resizing, evaluation cadence
 
-def test_opt5_image_size_gives_each_size_an_equal_share_of_the_epochs_and_ends_at_the_full_size():
-    sizes = {epochs: [opt5.image_size(epoch, epochs, 16, 32) for epoch in range(1, epochs + 1)]
-             for epochs in (1, 2, 3, 4, 5, 6, 7)}
-    assert sizes == {1: [32], 2: [16, 32], 3: [16, 24, 32], 4: [16, 16, 24, 32], 5: [16, 16, 24, 24, 32],
+def test_opt5_image_sizes_end_with_the_full_sizes_share_and_split_the_rest_equally():
+    sizes = {epochs: opt5.image_sizes(epochs, 16, 32, 0.3) for epochs in (1, 2, 3, 4, 5, 6, 7)}
+    assert sizes == {1: [32], 2: [16, 32], 3: [16, 24, 32], 4: [16, 16, 24, 32], 5: [16, 16, 24, 32, 32],
                      6: [16, 16, 24, 24, 32, 32], 7: [16, 16, 16, 24, 24, 32, 32]}
-    assert [opt5.image_size(epoch, 4, 8, 32) for epoch in range(1, 5)] == [8, 16, 24, 32]
-    assert [opt5.image_size(epoch, 3, 32, 32) for epoch in range(1, 4)] == [32, 32, 32]
-    assert [opt5.image_size(epoch, 5, 16, 64) for epoch in range(1, 6)] == [16, 24, 32, 48, 64]
+    twenty = opt5.image_sizes(20, 16, 32, 0.3)  # the 20-epoch recipe: 7, 7 and 6 epochs
+    assert [twenty.count(size) for size in (16, 24, 32)] == [7, 7, 6] and twenty == sorted(twenty)
+    assert opt5.image_sizes(12, 16, 32, 0.4) == [16] * 4 + [24] * 3 + [32] * 5  # 5 of 12 is 42 %
+    assert opt5.image_sizes(4, 8, 32, 0.3) == [8, 16, 24, 32]
+    assert opt5.image_sizes(3, 32, 32, 0.3) == [32, 32, 32]
+    assert opt5.image_sizes(3, 16, 32, 0) == [16, 24, 32], "the last epoch is always at the full size"
+    assert opt5.image_sizes(5, 16, 64, 0.3) == [16, 32, 48, 64, 64]
 
 
 def test_opt5_downscale_averages_each_pixels_area():
@@ -1535,6 +1541,45 @@ def test_opt5_downscale_averages_each_pixels_area():
         assert torch.equal(small, torch.full_like(small, 0.5)), size
     assert opt5.downscale(stripes, 32) is stripes
     assert opt5.downscale(torch.rand(1, 3, 64, 64), 32).shape == (1, 3, 32, 32), "images of any size"
+
+
+def test_opt5_min_size_batch_trains_the_smallest_size_on_its_own_batch_under_one_schedule(monkeypatch, tmp_path):
+    batches, schedules, json_path = {"train": [], "eval": []}, [], tmp_path / "result.json"
+
+    class BatchRecordingResNet10(common.ResNet10):
+        def forward(self, images):
+            batches["train" if self.training else "eval"].append(tuple(images.shape[::3]))  # (images, side)
+            return super().forward(images)
+
+    plan_epoch = opt5.plan_epoch
+
+    def recorded_plan_epoch(run, size, epoch):
+        plan_epoch(run, size, epoch)
+        schedules.append(run.plan.schedule.clone())
+    monkeypatch.setattr(common, "ResNet10", BatchRecordingResNet10)
+    monkeypatch.setattr(harness, "training_flops_per_image", lambda size=32: 1.0)
+    monkeypatch.setattr(opt5, "plan_epoch", recorded_plan_epoch)
+    # 128 images: 2 steps of 64 at 16x16, then 4 of 32 at 24x24 and at 32x32, one OneCycleLR table of 10 steps
+    monkeypatch.setattr(sys, "argv", ["opt5.py", *SMALL, "--epochs", "3", "--train-size", "128", "--batch-size", "32",
+                                      "--min-size-batch", "64", "--monitor-size", "64", "--json", str(json_path)])
+    opt5.main()
+    assert batches["train"] == [(64, 16)] * 2 + [(32, 24)] * 4 + [(32, 32)] * 4
+    # evaluated in the training batch's shape at each size: half a batch of images and their mirrors
+    assert batches["eval"] == [(64, 16)] * 2 + [(32, 24)] * 4 + [(32, 32)] * 16
+    assert torch.equal(torch.cat(schedules), opt5.onecycle_schedule(0.016, 10, CPU))
+    report = read_json(json_path)
+    assert [(epoch["steps"], epoch["images"]) for epoch in report["epochs"]] == [(2, 128), (4, 128), (4, 128)]
+    assert report["settings"]["min_size_batch"] == 64
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--full-size-share", "1"], "--full-size-share: must be at least 0 and below 1"),
+    (["--min-size-batch", "0"], "--min-size-batch: must be a positive integer"),
+    (["--min-size-batch", "4096", "--train-size", "2048"], "smaller than one optimizer step (4096 images)"),
+])
+def test_opt5_resizing_flags_are_checked(args, says):
+    result = run_script("opt5.py", *SMALL, *args)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and says in result.stderr, result.stderr
 
 
 class SizeRecordingResNet10(common.ResNet10):
@@ -1714,7 +1759,7 @@ def test_opt5_muon_is_one_optimizer_whose_every_group_takes_the_schedules_rate_a
     assert sum(len(group["params"]) for group in muon.param_groups) == len(parameters)
     args = SimpleNamespace(batch_size=8, accum_steps=1)
     run = SimpleNamespace(optimizer=muon, scaler=torch.amp.GradScaler("cpu", enabled=False),
-                          plan=opt5.empty_plan(2, args, CPU), world_size=1)
+                          plan=opt5.empty_plan(2, 8, args, CPU), world_size=1)
     run.plan.schedule.copy_(torch.tensor([0.004, 0.002]))
     before = [parameter.detach().clone() for parameter in parameters]
     for step in range(2):
@@ -2030,7 +2075,7 @@ def test_ablation_whitening_stem_is_frozen_and_made_from_the_training_images(mon
 def test_ablation_alternating_flip_mirrors_each_image_every_other_epoch(monkeypatch):
     ablation.alternating_flip(monkeypatch.setattr)
     run = drawn_plan(size=96, batch_size=16, epochs=3)
-    run.args.seed = 0
+    run.args.seed, run.schedule = 0, run.schedule.split(6)  # opt5's table: each epoch's rows
     flips = {}
     for epoch in (1, 2, 3):
         opt5.plan_epoch(run, 96, epoch)
@@ -2072,7 +2117,7 @@ def test_ablation_nesterov_row_builds_sgd_where_opt5_builds_adamw(monkeypatch):
     assert settings == {"momentum": 0.9, "nesterov": True, "weight_decay": 5e-4}
     args = SimpleNamespace(batch_size=8, accum_steps=1)
     run = SimpleNamespace(optimizer=optimizer, scaler=torch.amp.GradScaler("cpu", enabled=False),
-                          plan=opt5.empty_plan(1, args, CPU))
+                          plan=opt5.empty_plan(1, 8, args, CPU))
     run.plan.schedule.copy_(torch.tensor([0.1]))
     optimizer.param_groups[0]["params"][0].grad = torch.ones(2)
     opt5.optimizer_step(run)  # opt5's own update step takes it, at the table's rate
@@ -2092,6 +2137,67 @@ def test_ablation_rows_flags_change_the_recipe_in_what_they_name_and_win_over_th
         args = opt5.parse_args()
         assert {name: getattr(args, name) for name in plot.RECIPE if getattr(args, name) != plot.RECIPE[name]} == \
             changed
+
+
+def test_ablation_short_schedule_warms_up_over_5_percent_to_1_4x_and_decays_in_a_line_to_0(monkeypatch):
+    ablation.short_schedule(monkeypatch.setattr)
+    rates = opt5.onecycle_schedule(1.0, 100, CPU)
+    assert rates.argmax().item() == 4 and rates.max().item() == pytest.approx(1.4)  # the 5th of 100 steps
+    assert rates[-1].item() < 1e-3 and rates[0].item() == pytest.approx(1.4 / 25)
+    steps = rates[4:].diff()
+    assert torch.allclose(steps, steps.mean().expand_as(steps), atol=1e-6), "a straight line down"
+
+
+def test_ablation_batchnorm_row_steps_vectors_at_twice_the_rate_without_weight_decay(monkeypatch):
+    ablation.batchnorm_without_decay(monkeypatch.setattr)
+    model = common.ResNet10()
+    parameters = list(model.parameters())
+    filters = [p for p in parameters if p.ndim == 4]
+    optimizer = opt5.Muon(filters, opt5.adamw([p for p in parameters if p.ndim != 4], 0.01, CPU),
+                          dtype=torch.float32, steps=3)
+    vectors, matrices = optimizer.param_groups[2]["params"], optimizer.param_groups[1]["params"]
+    assert vectors and all(p.ndim == 1 for p in vectors) and [p.ndim for p in matrices] == [2]
+    run = SimpleNamespace(optimizer=optimizer, scaler=torch.amp.GradScaler("cpu", enabled=False),
+                          plan=opt5.empty_plan(2, 8, SimpleNamespace(accum_steps=1), CPU))
+    run.plan.schedule.copy_(torch.tensor([0.004, 0.002]))
+    before = [p.detach().clone() for p in (*vectors, *matrices)]
+    for step in range(2):
+        for parameter in parameters:
+            parameter.grad = torch.zeros_like(parameter)  # no gradient: only weight decay moves a weight
+        opt5.optimizer_step(run)  # opt5's own: the table's rate into every group, then the step
+        rates = [group["lr"].item() for group in optimizer.param_groups]
+        assert rates == pytest.approx([0.004, 0.004, 0.008] if step == 0 else [0.002, 0.002, 0.004])
+    assert all(torch.equal(p, b) for p, b in zip(vectors, before)), "no weight decay on the vectors"
+    assert torch.allclose(matrices[0], before[-1] * (1 - 0.004 * 0.05) * (1 - 0.002 * 0.05))
+
+
+def test_ablation_whitening_at_each_size_computes_the_stem_again_at_each_new_size(monkeypatch):
+    trained = []
+    monkeypatch.setattr(opt5, "train_one_epoch", lambda run, train_data, epoch, monitor, size: trained.append(size))
+    ablation.whitening_at_each_size(monkeypatch.setattr, images_used=64)
+    train_set, _ = common.load_data(SimpleNamespace(synthetic=True, data_dir=None, train_size=128, test_size=64),
+                                    None, None)
+    run = SimpleNamespace(train_data=opt5.load_to_device(train_set, CPU), statistics=opt5.channel_statistics(CPU),
+                          model=common.ResNet10())
+    normalized = opt5.normalize(run.train_data[0][:64], run.statistics)
+    computed = []
+    for epoch, size in enumerate([16, 16, 24, 32], 1):
+        opt5.train_one_epoch(run, run.train_data, epoch, None, size)
+        expected = ablation.whitening_weights(opt5.downscale(normalized, size))
+        assert torch.equal(run.model.stem[0].weight[:54], expected), size
+        computed.append(expected)
+    assert trained == [16, 16, 24, 32] and not torch.equal(computed[0], computed[2])
+
+
+def test_ablation_runs_its_rows_once_per_seed(tmp_path):
+    out = tmp_path / "seeds.jsonl"
+    result = run_script("ablation.py", "--rows", "shipped", "--seeds", 3, 4, "--json", out, "--epochs", 1,
+                        "--train-size", 256, "--batch-size", 64, *SMALL)
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line["settings"]["seed"] for line in lines] == [3, 4] and "2 rows appended" in result.stdout
+    assert lines[0]["command"].endswith("--seed 3")
+    assert lines[0]["epochs"][0]["train_loss"] != lines[1]["epochs"][0]["train_loss"], "other weights, other batches"
 
 
 def test_ablation_shifts_move_the_image_one_pixel_and_reflect_the_edge():
@@ -2120,6 +2226,9 @@ def test_ablation_runs_each_row_in_its_own_process_and_scores_three_ways(tmp_pat
         assert all(0 <= line[views] <= 1 for views in ("1_view", "2_views", "6_views"))
         assert line["launch_to_result_6_views_seconds"] == line["launch_to_result_seconds"] + \
             line["extra_view_seconds"] > line["launch_to_result_seconds"]
+        # 256 test images in half-batches of 32: 8 calls of 64 images a view pair, 16 more for 2 more pairs
+        assert line["modelled_h200_6_views_seconds"] == pytest.approx(line["modelled_h200_seconds"] + 16 * (
+            harness.modelled_h200_step_seconds(64, 32, muon=False) / 3))
         assert len(line["epochs"]) == 2 and line["epochs"][0]["test_images"] == 256
     assert result.stdout.count("row shipped: test acc") == 1 and "3 rows appended" in result.stdout
 
@@ -2953,9 +3062,9 @@ def test_opt6_two_nodes_on_one_machine_finish_with_identical_weights_and_one_rep
 def test_opt6_rank_shares_are_disjoint_and_cover_the_epoch():
     def share(rank):
         args = SimpleNamespace(batch_size=8, accum_steps=1)
-        run = SimpleNamespace(args=args, device=CPU, rank=rank, world_size=2, plan=opt6.empty_plan(6, args, CPU),
+        run = SimpleNamespace(args=args, device=CPU, rank=rank, world_size=2, plan=opt6.empty_plan(6, 8, args, CPU),
                               generator=torch.Generator().manual_seed(0),  # every rank seeds alike
-                              augment_generator=torch.Generator().manual_seed(rank), schedule=torch.zeros(6))
+                              augment_generator=torch.Generator().manual_seed(rank), schedule=[torch.zeros(6)])
         opt6.plan_epoch(run, 100, 1)
         return run.plan
 
