@@ -149,8 +149,9 @@ def batchnorm_without_decay(patch, rate=2.0):
         others = [parameter for parameter in parameters if parameter.ndim != 1]
         own_rate = torch.tensor(lr, device=device)  # a tensor of its own, which the schedule writes too
         optimizer = build([{"params": others}, {"params": vectors, "lr": own_rate, "weight_decay": 0.0}], lr, device)
-        # the schedule writes its rate into every group before each step; the vectors' is then scaled, on the device
-        optimizer.register_step_pre_hook(lambda *_: own_rate.mul_(rate))
+        def scale_the_rate(*_):  # the schedule writes its rate into every group before each step: scaled on the device
+            own_rate.mul_(rate)
+        optimizer.register_step_pre_hook(scale_the_rate)
         return optimizer
     patch(opt5, "adamw", adamw)
 
@@ -263,7 +264,9 @@ def score(run, test_data):
 
 def parse_args():
     """ablation.py's own flags, and the rest: opt5.py's flags, which opt5's parser checks here, before any row."""
-    parser = harness.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # allow_abbrev=False: opt5's --seed must reach opt5, not be read as an abbreviation of --seeds
+    parser = harness.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                    allow_abbrev=False)
     parser.add_argument("--rows", nargs="+", choices=ROW_NAMES, default=ROW_NAMES, metavar="ROW",
                         help=f"the rows to run, in this order, from: {' '.join(ROW_NAMES)} (default: all)")
     parser.add_argument("--json", metavar="PATH", default="results/recipe.jsonl",

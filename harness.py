@@ -404,10 +404,10 @@ H200_MODEL = "provisional: fitted to the uncompiled step captured with AdamW alo
 
 
 @functools.cache
-def h200_step_fit():
-    """(fixed seconds, seconds per image x pixel) of an H200 step, least squares over H200_MEASURED_STEPS."""
-    pixels = [images * side ** 2 for images, side, _ in H200_MEASURED_STEPS]
-    per_pixel, fixed = statistics.linear_regression(pixels, [ms / 1000 for _, _, ms in H200_MEASURED_STEPS])
+def h200_step_fit(measured=H200_MEASURED_STEPS):
+    """(fixed seconds, seconds per image x pixel) of a step, least squares over `measured`: (images a step, side, ms)."""
+    pixels = [images * side ** 2 for images, side, _ in measured]
+    per_pixel, fixed = statistics.linear_regression(pixels, [ms / 1000 for _, _, ms in measured])
     return fixed, per_pixel
 
 

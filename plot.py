@@ -61,6 +61,9 @@ def parse_args():
                         help="runs of the recipe work: opt5 with the flags tried, scored on held-out training images "
                              "(--validation) or the test set, and ablation.py's rows at its length, for --tables "
                              "(default: results/recipe.jsonl)")
+    parser.add_argument("--screen", default="results/screen.jsonl",
+                        help="ablation.py's bundle rows on held-out training images (--validation), for --tables "
+                             "(default: results/screen.jsonl)")
     parser.add_argument("--ablation", default="results/ablation.jsonl",
                         help="ablation.py's rows from before the recipe (AdamW, 5 epochs of batch 128), for --tables "
                              "(default: results/ablation.jsonl)")
@@ -69,6 +72,9 @@ def parse_args():
     parser.add_argument("--cpu-out", default="results/cpu.png",
                         help="the CPU figure to write (default: results/cpu.png)")
     parser.add_argument("--tables", action="store_true", help="print markdown tables instead of drawing (default: off)")
+    parser.add_argument("--step-table", metavar="PATH",
+                        help="print the median ms a step at each batch and image size in PATH's rows (a GPU's, to fit "
+                             "harness.H200_MEASURED_STEPS to), and a fit, instead of drawing (default: off)")
     return parser.parse_args()
 
 
@@ -486,6 +492,69 @@ def recipe_ablation(recipe):
     return lines
 
 
+def step_table(rows):
+    """[(images a step, side, ms)]: the median ms a step of each batch and image size in `rows`, over the epochs that
+    are not the first at their size in their run (those include the warm-up, the capture or the compiling)."""
+    times = {}
+    for row in rows:
+        seen = set()
+        for record in row["epochs"]:
+            point = (round(record["images"] / record["steps"]), record.get("image_size") or 32)
+            if point in seen:
+                times.setdefault(point, []).append(record["ms_per_step"])
+            seen.add(point)
+    return [(images, side, statistics.median(times[images, side])) for images, side in sorted(times)]
+
+
+def step_table_lines(rows):
+    """Markdown lines: the step table of `rows` (step_table), each point against the fit over them all."""
+    table = step_table(rows)
+    if len(table) < 2:
+        return [f"{len(table)} batch and size points with a steady epoch: a fit needs 2"]
+    fixed, per_pixel = harness.h200_step_fit(tuple(table))
+    lines = [f"Fit: {1000 * fixed:.3f} ms + {1e9 * per_pixel:.2f} ns per image x pixel a step", "",
+             "| images a step | px | median ms | fitted ms | residual ms |", "|---|---|---|---|---|"]
+    for images, side, ms in table:
+        fitted = 1000 * (fixed + per_pixel * images * side ** 2)
+        lines.append(f"| {images} | {side} | {ms:.3f} | {fitted:.3f} | {ms - fitted:+.3f} |")
+    return lines
+
+
+def modelled_with_6_views(row):
+    """An ablation.py row's modelled H200 seconds with its 4 extra views' (ablation.py's model of them), by today's
+    models, whichever wrote the row."""
+    scored, batch_size = row["epochs"][-1]["test_images"], row["settings"]["batch_size"]
+    return row["modelled_h200_seconds"] + ablation.modelled_h200_extra_view_seconds(scored, batch_size)
+
+
+def screen_table(lines):
+    """Markdown lines: each ablation.py row scored on held-out training images, over its seeds (the last line of each),
+    against the twenty-epochs row's mean; [] before any such row."""
+    rows = {}
+    for line in lines:
+        if "row" in line and line["settings"].get("validation"):
+            # the shipped row of the 20-epoch recipe's days is twenty-epochs by another name
+            recipe = line["row"] == "shipped" and all(setting(line, name) == value for name, value in RECIPE.items())
+            rows.setdefault("twenty-epochs" if recipe else line["row"], {})[line["settings"]["seed"]] = line
+    if not rows:
+        return []
+    runs = {name: [by_seed[seed] for seed in sorted(by_seed)] for name, by_seed in rows.items()}
+    reference = runs.get("twenty-epochs")
+    reference_mean = statistics.mean(100 * run["2_views"] for run in reference) if reference else None
+    lines = ["| row | seeds | held-out acc % (2 views), mean (each) | vs twenty-epochs | 6 views, mean "
+             "| modelled H200 s (2 views / 6) | launch to result min (CPU) |", "|---" * 7 + "|"]
+    for name, seeds in runs.items():
+        accuracies = [100 * run["2_views"] for run in seeds]
+        versus = f"{statistics.mean(accuracies) - reference_mean:+.2f}" if reference_mean is not None else "-"
+        lines.append(f"| {name} | {', '.join(str(run['settings']['seed']) for run in seeds)} "
+                     f"| {statistics.mean(accuracies):.2f} ({', '.join(f'{accuracy:.2f}' for accuracy in accuracies)}) "
+                     f"| {versus} | {statistics.mean(100 * run['6_views'] for run in seeds):.2f} "
+                     f"| {statistics.mean(run['modelled_h200_seconds'] for run in seeds):.2f} / "
+                     f"{statistics.mean(map(modelled_with_6_views, seeds)):.2f} "
+                     f"| {statistics.mean(run['launch_to_result_seconds'] for run in seeds) / 60:.1f} |")
+    return lines
+
+
 def curve_points(runs, script):
     """(launch-to-result minutes, final test accuracy %, epochs) of each run of `script` (or of a `variant`), fastest
     first."""
@@ -759,13 +828,18 @@ def main():
     curve = convergence_runs(read_lines(args.curve))
     muon = [convergence_runs(read_lines(path)) for path in args.muon]  # one list of runs per CPU
     gpu = gpu_runs(args.gpu)
+    if args.step_table:
+        print("\n".join(step_table_lines(read_lines(args.step_table))))
+        return
     if args.tables:
         seeds = convergence_runs(read_lines(args.seeds))
         print(f"{gpu_words(gpu)}:\n\n{benchmark.chain_table(gpu)}\n")
         recipe = read_lines(args.recipe)
         others = curve + seeds + [run for runs_on_one_cpu in muon for run in runs_on_one_cpu]
         curve_lines, ablation_lines = recipe_curve(recipe, others), recipe_ablation(recipe)
+        screen_lines = screen_table(read_lines(args.screen)) if Path(args.screen).exists() else []
         print("\n".join(["Recipe runs:", "", *recipe_table(recipe), "", *recipe_summary(recipe), "",
+                         *(["The screen, on held-out training images:", "", *screen_lines, ""] if screen_lines else []),
                          *(["The recipe's curve:", "", *curve_lines, ""] if curve_lines else []),
                          *(["The recipe's ablation:", "", *ablation_lines, ""] if ablation_lines else [])]))
         print(markdown_tables(runs, ladder, convergence, curve, seeds, ablation_rows(read_lines(args.ablation)), muon))

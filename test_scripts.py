@@ -822,7 +822,7 @@ def test_the_recipes_defaults_take_as_many_steps_as_five_epochs_of_128_in_7_3_mo
     args = module.parse_args()
     assert {name: getattr(args, name) for name in plot.RECIPE} == plot.RECIPE == {  # plot.py's tables
         "epochs": 20, "batch_size": 512, "lr": 0.016, "optimizer": "muon", "ns_steps": 3, "min_size": 16,
-        "label_smoothing": 0.1, "accum_steps": 1, "train_size": None}
+        "full_size_share": 0.3, "min_size_batch": None, "label_smoothing": 0.1, "accum_steps": 1, "train_size": None}
     sizes = module.image_sizes(args.epochs, args.min_size, 32, args.full_size_share)
     assert [(size, sizes.count(size)) for size in (16, 24, 32)] == [(16, 7), (24, 7), (32, 6)]
     steps = common.CIFAR10_TRAIN_SIZE // args.batch_size
@@ -830,6 +830,24 @@ def test_the_recipes_defaults_take_as_many_steps_as_five_epochs_of_128_in_7_3_mo
     work = harness.count_work(records, plot.muon_update_flops(args.ns_steps), muon=True)
     assert steps * args.epochs == 1940 and 5 * (common.CIFAR10_TRAIN_SIZE // 128) == 1950
     assert 7.3 < work["modelled_h200_seconds"] < 7.4  # results/README.md, "The modelled H200 time"
+
+
+def modelled_bundle_seconds(row):
+    """An ablation.py row's modelled H200 seconds on the whole training set, from the sizes and batches opt5 gives it."""
+    _, flags, _, _ = ablation.ROWS[ablation.ROW_NAMES.index(row)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys, "argv", ["opt5.py", *flags])
+        args = opt5.parse_args()
+    sizes = opt5.image_sizes(args.epochs, args.min_size, 32, args.full_size_share)
+    batches = [args.min_size_batch if size == args.min_size else args.batch_size for size in sizes]
+    records = [{"image_size": size, "steps": common.CIFAR10_TRAIN_SIZE // batch,
+                "images": common.CIFAR10_TRAIN_SIZE // batch * batch} for size, batch in zip(sizes, batches)]
+    return harness.count_work(records, plot.muon_update_flops(args.ns_steps), muon=True)["modelled_h200_seconds"]
+
+
+def test_the_twelve_epoch_bundle_models_to_half_the_recipes_h200_time():
+    twenty, twelve = modelled_bundle_seconds("twenty-epochs"), modelled_bundle_seconds("twelve-epochs")
+    assert 7.3 < twenty < 7.4 and twelve <= twenty / 2 and twelve == pytest.approx(3.62, abs=0.01)
 
 
 def test_the_harness_silences_torchs_warning_of_a_capturable_optimizer_stepping_uncaptured():
@@ -1779,11 +1797,12 @@ def test_opt5_muon_is_one_optimizer_whose_every_group_takes_the_schedules_rate_a
 
 @pytest.fixture(scope="module")
 def compiled_opt5_run(tmp_path_factory):
-    # --min-size 8 over 7 epochs: 8, 8, 16, 16, 24, 24, 32, as many sizes as any flags give, each twice but the last
+    # --min-size 8 over 7 epochs, one at the full size: 8, 8, 16, 16, 24, 24, 32, as many sizes as any flags give
     with pytest.MonkeyPatch.context() as patch:
         # Past torch's recompile_limit, dynamo would run the frame eager with a warning: make it an error here.
         patch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
-        return compiled_run("opt5.py", ["--epochs", "7", "--min-size", "8", "--compile"], tmp_path_factory.mktemp("opt5"))
+        return compiled_run("opt5.py", ["--epochs", "7", "--min-size", "8", "--full-size-share", "0", "--compile"],
+                            tmp_path_factory.mktemp("opt5"))
 
 
 @pytest.fixture(scope="module")
@@ -2128,6 +2147,8 @@ def test_ablation_nesterov_row_builds_sgd_where_opt5_builds_adamw(monkeypatch):
     ("shipped", {}), ("no-resizing", {"min_size": 32}), ("smoothing-0.2", {"label_smoothing": 0.2}),
     ("nesterov", {"optimizer": "adamw", "lr": 0.2}), ("adamw", {"optimizer": "adamw"}),
     ("smoothing-0", {"label_smoothing": 0.0}), ("epochs-5-batch-128", {"epochs": 5, "batch_size": 128, "lr": 0.008}),
+    ("twenty-epochs", {"min_size_batch": 512}),  # the batch at every size, named: the recipe whatever the defaults
+    ("twelve-epochs", {"epochs": 12, "batch_size": 1024, "min_size_batch": 2048, "lr": 0.0226, "full_size_share": 0.4}),
 ])
 def test_ablation_rows_flags_change_the_recipe_in_what_they_name_and_win_over_the_flags_given(row, changed,
                                                                                               monkeypatch):
@@ -2191,13 +2212,51 @@ def test_ablation_whitening_at_each_size_computes_the_stem_again_at_each_new_siz
 
 def test_ablation_runs_its_rows_once_per_seed(tmp_path):
     out = tmp_path / "seeds.jsonl"
-    result = run_script("ablation.py", "--rows", "shipped", "--seeds", 3, 4, "--json", out, "--epochs", 1,
+    result = run_script("ablation.py", "--rows", "shipped", "--seeds", 3, 4, "--json", out, "--epochs", 2,
                         "--train-size", 256, "--batch-size", 64, *SMALL)
     assert result.returncode == 0, result.stderr
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [line["settings"]["seed"] for line in lines] == [3, 4] and "2 rows appended" in result.stdout
     assert lines[0]["command"].endswith("--seed 3")
     assert lines[0]["epochs"][0]["train_loss"] != lines[1]["epochs"][0]["train_loss"], "other weights, other batches"
+
+
+def test_plot_screen_table_groups_rows_by_seed_against_the_twenty_epoch_mean():
+    def screened(row, seed, views, settings):
+        epochs = [{"steps": 87, "images": 87 * 512, "image_size": 32, "test_images": 5000}]
+        return plot.read_row({"script": "opt5.py", "chain": 2, "row": row, "settings": {
+            **plot.RECIPE, "validation": 5000, "seed": seed, **settings}, "epochs": epochs,
+            "launch_to_result_seconds": 600.0, "modelled_h200_seconds": 0.0, "2_views": views[0], "6_views": views[1]})
+    twelve = {"epochs": 12, "batch_size": 1024}
+    lines = plot.screen_table([screened("shipped", 0, (0.90, 0.91), {}),  # the defaults were the recipe's
+                               screened("twelve-epochs", 0, (0.89, 0.90), twelve),
+                               screened("twenty-epochs", 1, (0.91, 0.92), {}),
+                               screened("twelve-epochs", 0, (0.895, 0.90), twelve),  # the last of a seed counts
+                               screened("shipped", 2, (0.80, 0.81), twelve)])  # not the recipe: its own row
+    rows = {line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in lines[2:]}
+    assert list(rows) == ["twenty-epochs", "twelve-epochs", "shipped"]
+    assert rows["twenty-epochs"][:4] == ["0, 1", "90.50 (90.00, 91.00)", "+0.00", "91.50"]
+    assert rows["twelve-epochs"][:3] == ["0", "89.50 (89.50)", "-1.00"]
+    modelled = 87 * harness.modelled_h200_step_seconds(512, 32, muon=True)
+    extra = ablation.modelled_h200_extra_view_seconds(5000, 512)
+    assert rows["twenty-epochs"][4] == f"{modelled:.2f} / {modelled + extra:.2f}"
+    assert plot.screen_table([screened("shipped", 0, (0.9, 0.9), {"validation": 0})]) == [], "the test set: no"
+
+
+def test_plot_step_table_takes_the_median_of_the_steady_epochs_at_each_batch_and_size():
+    def epoch(images, side, ms):
+        return {"steps": 10, "images": 10 * images, "image_size": side, "ms_per_step": ms}
+    exact = {(2048, 16): 1.0 + 2048 * 256e-6, (1024, 24): 1.0 + 1024 * 576e-6, (1024, 32): 1.0 + 1024 * 1024e-6}
+    rows = [{"epochs": [epoch(2048, 16, 50.0), epoch(2048, 16, exact[2048, 16]), epoch(1024, 24, 60.0),
+                        epoch(1024, 24, exact[1024, 24]), epoch(1024, 32, 70.0), epoch(1024, 32, exact[1024, 32]),
+                        epoch(1024, 32, exact[1024, 32] + 1)]},
+            {"epochs": [epoch(1024, 32, 80.0), epoch(1024, 32, exact[1024, 32] - 1)]}]  # warm-ups: not counted
+    assert plot.step_table(rows) == [(1024, 24, exact[1024, 24]), (1024, 32, exact[1024, 32]),
+                                     (2048, 16, exact[2048, 16])]
+    lines = plot.step_table_lines(rows)
+    assert lines[0] == "Fit: 1.000 ms + 1.00 ns per image x pixel a step" and len(lines) == 4 + 3
+    assert all(line.endswith(("| +0.000 |", "| -0.000 |")) for line in lines[4:]), "the points lie on a line"
+    assert plot.step_table_lines(rows[1:]) == ["1 batch and size points with a steady epoch: a fit needs 2"]
 
 
 def test_ablation_shifts_move_the_image_one_pixel_and_reflect_the_edge():
