@@ -2763,7 +2763,7 @@ def test_results_page_tables_are_plots_from_the_data():
         gpu = plot.gpu_runs([ROOT / path for path in paths])
         gpu_tables += [f"{plot.gpu_words(gpu)}:", *benchmark.chain_table(gpu).splitlines()]
     for line in [*gpu_tables, *plot.recipe_table(json_lines("recipe.jsonl")),
-                 *plot.recipe_summary(json_lines("recipe.jsonl"))]:
+                 *plot.recipe_summary(json_lines("recipe.jsonl")), *plot.screen_table(json_lines("screen.jsonl"))]:
         assert line in results_page, line
     runs = {run["script"]: run for run in json_lines("chain-5-epochs.jsonl") if run["data"] == "cifar10"}
     for script, run in runs.items():
