@@ -1,4 +1,4 @@
-"""ablation.py: opt5 with one technique switched per row, each row its own run, as data.
+"""ablation.py: opt5 with one technique switched per row (or a bundle of them), each row its own run, as data.
 
     python ablation.py --data-dir ./data --rows shipped adamw smoothing-0    # appends to results/recipe.jsonl
     python ablation.py --rows shipped ema --synthetic --epochs 2 --train-size 2048 --json /tmp/ablation.jsonl

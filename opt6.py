@@ -469,7 +469,7 @@ def evaluate(run, test_data, size):
     all_images, all_labels = (data[rank_slice(test_size, run.rank, run.world_size)] for data in test_data)
     # opt3: each image and its mirror in one batch of --batch-size (if even): the shape cuDNN's autotuner timed in
     # training, so it times no new one here
-    batch_size = max(1, run.plans[size].batches.shape[1] // 2)  # opt5: the batch trained on at this size
+    batch_size = max(1, run.batch_sizes[size] // 2)  # opt5: the batch trained on at this size
     # opt3: the totals stay on the device: one read at the end, not one wait per batch
     total_loss = torch.zeros((), device=run.device)
     correct = torch.zeros((), dtype=torch.long, device=run.device)
@@ -574,8 +574,9 @@ def train(args, rank, world_size, device):
     full_size = train_set.data.shape[1]  # opt5: CIFAR-10's 32 x 32, the size the last epochs train on
     sizes = image_sizes(args.epochs, args.min_size, full_size, args.full_size_share)
     # opt5: a bigger batch at the smallest size (--min-size-batch): fewer steps, so less of the fixed cost each pays
-    batch_sizes = {size: args.min_size_batch if size == args.min_size < full_size and args.min_size_batch
-                   else args.batch_size for size in sizes}
+    batch_sizes = {size: args.batch_size for size in sizes}
+    if args.min_size_batch and args.min_size < full_size:
+        batch_sizes[args.min_size] = args.min_size_batch
     # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a
     # fixed rate; its length counts optimizer steps, not micro-batches
     epoch_steps = [len(train_set) // (batch_sizes[size] * world_size) // args.accum_steps for size in sizes]
@@ -603,6 +604,7 @@ def train(args, rank, world_size, device):
         schedule=onecycle_schedule(max_lr, total_steps, device).split(epoch_steps),
         plans={size: empty_plan(steps, batch_sizes[size], args, device)
                for size, steps in dict(zip(sizes, epoch_steps)).items()},
+        batch_sizes=batch_sizes,
     )
     run.train_steps = {size: functools.partial(train_step, run, size) for size in sizes}
     why_not = capture_problem(device, amp_dtype, optimizer, world_size)
