@@ -20,9 +20,10 @@ held-out training images, a few seeds each; on a GPU a row trains in seconds (th
 compiled, older code), so the whole screen is one command:
 
     python ablation.py --rows twenty-epochs twelve-epochs twelve-epochs+schedule+batchnorm \
-        twelve-epochs+schedule+batchnorm+whitening --seeds 0 1 2 --validation 5000 --json screen.jsonl
+        twelve-epochs+warmup+whitening --seeds 0 1 2 --validation 5000 --json screen.jsonl
 """
 import argparse
+import functools
 import json
 import shlex
 import subprocess
@@ -204,9 +205,10 @@ ROWS = [
     ("twelve-epochs+schedule+batchnorm", TWELVE_EPOCHS, (short_schedule, batchnorm_without_decay),
      "twelve-epochs with a 5 % warm-up to 1.4x the rate and a linear decay to 0, and BatchNorm's parameters without "
      "weight decay at 2x the rate"),
-    ("twelve-epochs+schedule+batchnorm+whitening", TWELVE_EPOCHS,
-     (short_schedule, batchnorm_without_decay, whitening_at_each_size),
-     "twelve-epochs+schedule+batchnorm with a frozen whitening stem computed again at each image size"),
+    ("twelve-epochs+warmup+whitening", TWELVE_EPOCHS, (functools.partial(short_schedule, peak=1.0),
+                                                        whitening_at_each_size),
+     "twelve-epochs with a 5 % warm-up and a linear decay to 0 at its own peak rate, and a frozen whitening stem "
+     "computed again at each image size"),
 ]
 ROW_NAMES = [name for name, *_ in ROWS]
 
