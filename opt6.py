@@ -194,8 +194,9 @@ def downscale(images, size):
 
 
 def empty_plan(steps, batch_size, args, device):
-    """The buffers one epoch's steps read and write, on the device: each micro-batch's image indices, crop offsets and
-    flips, each step's learning rate, the step counter, and each micro-batch's loss and the correct count."""
+    """The buffers one epoch's steps of `batch_size` images read and write, on the device (opt5: one plan per image
+    size): each micro-batch's image indices, crop offsets and flips, each step's learning rate, the step counter, and
+    each micro-batch's loss and the correct count."""
     rows = steps * args.accum_steps
     return SimpleNamespace(
         batches=torch.zeros(rows, batch_size, dtype=torch.long, device=device),
@@ -232,6 +233,7 @@ def plan_epoch(run, size, epoch):
     """Draw `epoch` (draw_epoch) into the plan, with its rows of the schedule, and start its counters at 0."""
     plan = run.plan
     batches, offsets, flips = draw_epoch(run, size)
+    # opt5: run.schedule holds each epoch's rows of the table (their step counts differ by image size)
     # opt4: copy_ writes into the buffers the captured step reads, at the addresses it was captured with
     for buffer, values in ((plan.batches, batches), (plan.offsets, offsets), (plan.flips, flips),
                            (plan.schedule, run.schedule[epoch - 1])):
@@ -454,7 +456,7 @@ def train_one_epoch(run, train_data, epoch, monitor, size):
     if run.world_size > 1:
         dist.all_reduce(totals)  # opt6: loss, accuracy and images/s count every rank's share
     loss_sum, correct_sum, micro_batches = totals.tolist()
-    images_seen = int(micro_batches) * run.plan.batches.shape[1]
+    images_seen = int(micro_batches) * run.plan.batches.shape[1]  # opt5: this size's batch
     return loss_sum / micro_batches, correct_sum / images_seen, len(losses) // accum_steps, images_seen
 
 
