@@ -265,22 +265,45 @@ def adamw(parameters, lr, device):
                              capturable=True)
 
 
-def orthogonalize(matrix, steps, dtype):
-    """Roughly the semi-orthogonal matrix nearest `matrix` (U V^T of its SVD), by `steps` Newton-Schulz iterations in
-    `dtype`: matmuls only, no SVD. Keller Jordan's coefficients take each singular value above a threshold to 0.68-1.2
-    (rather than to exactly 1 in many more steps, and that trains as well); each step multiplies a small one by about
-    3.4, less as it grows, so the threshold is 1/56 of the matrix's Frobenius norm after 3 steps, 1/660 after 5."""
+def orthogonalize(matrices, steps, dtype):
+    """Roughly the semi-orthogonal matrix nearest each of `matrices` (a batch, k x rows x columns: U V^T of each one's
+    SVD), by `steps` Newton-Schulz iterations in `dtype`: matmuls only, no SVD. Keller Jordan's coefficients take each
+    singular value above a threshold to 0.68-1.2 (rather than to exactly 1 in many more steps, and that trains as
+    well); each step multiplies a small one by about 3.4, less as it grows, so the threshold is 1/56 of the matrix's
+    Frobenius norm after 3 steps, 1/660 after 5. Wide matrices (rows <= columns) take the smaller Gram matrix."""
     a, b, c = 3.4445, -4.7750, 2.0315
-    x = matrix.to(dtype)
-    tall = x.shape[0] > x.shape[1]
-    if tall:
-        x = x.T  # x @ x.T is then the smaller of the two Gram matrices
-    x = x / x.norm().clamp(min=1e-7)  # the Frobenius norm bounds the largest singular value: now all are at most 1
+    x = matrices.to(dtype)
+    # the Frobenius norm bounds the largest singular value: now all are at most 1
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=1e-7)
     for _ in range(steps):
-        gram = x @ x.T
-        # a x + b x^3 + c x^5 on each singular value; addmm rounds its sum once, not once per term
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.T if tall else x
+        gram = x @ x.transpose(-2, -1)
+        # a x + b x^3 + c x^5 on each singular value; baddbmm rounds its sum once, not once per term
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x
+
+
+def as_filter(matrix, update):
+    """`matrix`, a wide view of `update`'s matrix (out x in*k*k, transposed if it is tall), seen in the filter's
+    shape."""
+    return (matrix.T if update.size(0) > update[0].numel() else matrix).view(update.shape)
+
+
+def orthogonal_updates(updates, steps, dtype):
+    """Each update (a filter's, out x in x k x k) orthogonalized as a matrix (out x in*k*k), in a few batches rather
+    than one at a time: the matrices with as many rows (a tall one turned wide) stacked, each padded with zero columns
+    to the widest. A zero column adds nothing to x x^T, so it stays zero and leaves the others as they would be alone:
+    ResNet10's 12 filters take 5 batches: 94 ops a step, not 173, for 36 % more matmul work."""
+    sides = [sorted((update.size(0), update[0].numel())) for update in updates]  # each matrix's rows, columns: wide
+    orthogonal = [None] * len(updates)
+    for rows in sorted({rows for rows, _ in sides}):
+        members = [i for i, (its_rows, _) in enumerate(sides) if its_rows == rows]
+        batch = updates[members[0]].new_zeros(len(members), rows, max(sides[i][1] for i in members), dtype=dtype)
+        for j, i in enumerate(members):
+            as_filter(batch[j, :, :sides[i][1]], updates[i]).copy_(updates[i])  # cast to `dtype` as it copies
+        batch = orthogonalize(batch, steps, dtype)
+        for j, i in enumerate(members):
+            orthogonal[i] = as_filter(batch[j, :, :sides[i][1]], updates[i])
+    return orthogonal
 
 
 class Muon(torch.optim.Optimizer):
@@ -316,11 +339,11 @@ class Muon(torch.optim.Optimizer):
         torch._foreach_lerp_(momenta, grads, 1 - beta1)  # beta1 x momentum + (1 - beta1) x gradient, in one op
         # Nesterov momentum: the gradient moved a beta1 of the way to the new momentum
         updates = torch._foreach_lerp(grads, momenta, beta1)
-        # each filter as a matrix, orthogonalized, and scaled to AdamW's step size
-        updates = [orthogonalize(update.flatten(1), self.steps, self.dtype).view_as(update) for update in updates]
-        torch._foreach_mul_(updates, [-0.2 * max(update.shape[0], update[0].numel()) ** 0.5 for update in updates])
-        torch._foreach_mul_(updates, lr)
-        torch._foreach_add_(filters, updates)
+        # opt5: each filter as a matrix, orthogonalized: in a few batches, not a dozen launches a filter
+        for filter_, update in zip(filters, orthogonal_updates(updates, self.steps, self.dtype)):
+            # scaled to AdamW's step size, times the rate: one op a filter (a bfloat16 update and a float32 filter
+            # would take foreach's one op a tensor anyway)
+            filter_.addcmul_(update, lr, value=-0.2 * max(update.size(0), update[0].numel()) ** 0.5)
         self.adamw.step()
 
 
