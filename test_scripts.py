@@ -2010,6 +2010,18 @@ def test_a_capture_that_fails_says_why_in_one_line_and_the_step_runs_uncaptured_
 
 # ------------------------------------------------------------------------------------ benchmark
 
+def test_the_readmes_copy_table_points_at_functions_that_exist():
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("## What to copy first"):].split("\n\n")[1].splitlines()[2:]
+    places = [place for row in table for place in row.split("|")[2].split(";")]
+    named = [(f"{match[1]}.py", name) for place in places if (match := re.search(r"\b(opt\d|common|harness)\b", place))
+             for name in re.findall(r"`(\w+)`", place)]
+    assert len(named) >= 15, named
+    missing = [(script, name) for script, name in named
+               if not re.search(rf"^\s*(def|class) {name}\b", (ROOT / script).read_text(), re.M)]
+    assert missing == [], missing
+
+
 def test_benchmark_measures_the_chain_by_the_readmes_command_on_a_cpu(tmp_path):
     # The README's command, then what makes it small here: the last of a repeated flag wins
     command = re.search(r"^python benchmark\.py [^#\n]*?(?=\s*(#|$))", (ROOT / "README.md").read_text(), re.M)[0]
