@@ -225,7 +225,7 @@ def orthogonal_updates(updates, steps, dtype):
     """Each update (a filter's, out x in x k x k) orthogonalized as a matrix (out x in*k*k), in a few batches rather
     than one at a time: the matrices with as many rows (a tall one turned wide) stacked, each padded with zero columns
     to the widest. A zero column adds nothing to x x^T, so it stays zero and leaves the others as they would be alone:
-    ResNet10's 12 filters take 5 batches: 94 ops a step, not 173, for 36 % more matmul work."""
+    ResNet10's 12 filters take 5 batches (Muon's step: 94 ops, not 173) for 36 % more matmul work."""
     sides = [sorted((update.size(0), update[0].numel())) for update in updates]  # each matrix's rows, columns: wide
     orthogonal = [None] * len(updates)
     for rows in sorted({rows for rows, _ in sides}):
