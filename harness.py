@@ -582,15 +582,17 @@ def summarize(records, total_seconds, peak_memory, flops_per_image):
 def report(script, run, records, total_seconds):
     """Print the run's summary and, with --json, append it with every setting and epoch (the optimizer's last
     learning rate, each epoch's FLOPs and modelled H200 time, and opt6's number of processes included)."""
-    args, device, optimizer = run.args, run.device, run.optimizer
+    args, device = run.args, run.device
+    optimizers = getattr(run, "optimizers", None) or [run.optimizer]  # opt5 on: Muon's and AdamW's, or AdamW's
     # The clock started just before the first epoch's first step: what came before it is setup (imports, checks,
     # data, model, schedule)
     setup_seconds = seconds_since_launch() - total_seconds
     summary = summarize(records, total_seconds, peak_memory_bytes(device), training_flops_per_image())
     summary["setup_seconds"] = setup_seconds
-    muon = type(optimizer).__name__ == "Muon"  # its update adds to the modelled step (see H200_MODEL)
-    summary.update(count_work(records, update_flops(optimizer), muon), modelled_h200=H200_MODEL,
-                   final_lr=float(optimizer.param_groups[0]["lr"]))
+    muon = any(type(optimizer).__name__ == "Muon" for optimizer in optimizers)  # it adds to the step (H200_MODEL)
+    step_flops = sum(update_flops(optimizer) for optimizer in optimizers)
+    summary.update(count_work(records, step_flops, muon), modelled_h200=H200_MODEL,
+                   final_lr=float(optimizers[-1].param_groups[0]["lr"]))
     memory_kind = "GPU max allocated" if device.type == "cuda" else "CPU peak RSS"
     peak = summary["peak_memory_bytes"]
     memory = f"{peak / 2**30:.2f} GiB ({memory_kind})" if peak is not None else "not measured on this system"

@@ -29,7 +29,12 @@ def parse_args():
 def autocast_dtype(device):
     """The 16-bit type `device` runs natively, or float32 where it has none; and why, in words, for the log."""
     if device.type == "cuda":
-        return torch.float16, "float16 autocast: on tensor cores, 2x TF32's peak (A100, H100), ~8x float32's (V100, T4)"
+        # opt1: bfloat16 where the GPU runs it natively (Ampere, sm_80, and newer): float32's range, so no
+        # GradScaler and no skipped steps. Not is_bf16_supported() alone: it also counts GPUs that only
+        # emulate bfloat16 (T4, sm_75), where inductor will not compile it and the model would run eager and slow
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return torch.bfloat16, "bfloat16 autocast: this GPU runs it natively, with float32's range"
+        return torch.float16, "float16 autocast: no bfloat16 below sm_80; tensor cores (V100, T4) run it ~8x float32"
     unit = common.bfloat16_unit()
     if unit is not None:
         return torch.bfloat16, f"bfloat16 autocast: this CPU runs it natively ({unit})"

@@ -1,6 +1,5 @@
 """opt3.py: opt2.py + the dataset kept on the device and normalized, cropped and flipped there a whole
-batch at a time, the losses kept there too, fused AdamW, bfloat16 on GPUs that run it, channels_last,
-and flip test-time augmentation.
+batch at a time, the losses kept there too, fused AdamW, channels_last, and torch.compile off by default.
 
     python opt3.py --epochs 5               # CIFAR-10 in ./data, downloaded if missing
     python opt3.py --synthetic --epochs 2   # no download: measures speed only
@@ -21,8 +20,8 @@ import harness
 def parse_args():
     # opt2: a bigger batch keeps the GPU busy with fewer, larger kernels and fewer optimizer steps
     parser = harness.build_parser(__doc__, batch_size=128, lr=8e-3)
-    # opt3: off by default: on an H200 compiling took ~38 s with an empty cache, more than all 1,950 steps of a
-    # 5-epoch run take uncompiled (~7 ms each); on a 2-core CPU it saved nothing a step
+    # opt3: off by default: with the data on the device a 5-epoch run's steps take seconds on a GPU, less than
+    # compiling (~40 s with an empty cache); on a CPU it saves nothing a step
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                         help="torch.compile the model; it pays only where the steps outlast its ~40 s of compiling "
                              "(default: off)")
@@ -37,7 +36,7 @@ def parse_args():
 def autocast_dtype(device):
     """The 16-bit type `device` runs natively, or float32 where it has none; and why, in words, for the log."""
     if device.type == "cuda":
-        # opt3: bfloat16 where the GPU runs it natively (Ampere, sm_80, and newer): float32's range, so no
+        # opt1: bfloat16 where the GPU runs it natively (Ampere, sm_80, and newer): float32's range, so no
         # GradScaler and no skipped steps. Not is_bf16_supported() alone: it also counts GPUs that only
         # emulate bfloat16 (T4, sm_75), where inductor will not compile it and the model would run eager and slow
         if torch.cuda.is_bf16_supported(including_emulation=False):
@@ -82,13 +81,13 @@ def augment(images, offsets, flips):
     return padded[image_index, channel_index, rows.view(batch, 1, height, 1), columns.view(batch, 1, 1, width)]
 
 
-def draw_epoch(run, size):
-    """One epoch of a training set of `size` images, drawn on the device: a fresh permutation cut into full
+def draw_epoch(run, image_count):
+    """One epoch of a training set of `image_count` images, drawn on the device: a fresh permutation cut into full
     micro-batches (the few images left over change each epoch; every batch is full, so the step sees one shape), and
     every image's crop offsets and flip."""
     args, generator, device = run.args, run.generator, run.device
-    rows, batch_size = size // (args.batch_size * args.accum_steps) * args.accum_steps, args.batch_size
-    permutation = torch.randperm(size, device=device, generator=generator)
+    rows, batch_size = image_count // (args.batch_size * args.accum_steps) * args.accum_steps, args.batch_size
+    permutation = torch.randperm(image_count, device=device, generator=generator)
     batches = permutation[:rows * batch_size].view(rows, batch_size)
     crop_offsets = 2 * common.CROP_PADDING + 1
     offsets = torch.randint(0, crop_offsets, (rows, 2, batch_size, 1), device=device, generator=generator)
@@ -140,9 +139,7 @@ def evaluate(run, test_data):
     """Mean loss and accuracy of the model on `test_data`."""
     run.model.eval()
     all_images, all_labels = test_data
-    # opt3: each image and its mirror in one batch of --batch-size (if even): the shape cuDNN's autotuner timed in
-    # training, so it times no new one here
-    batch_size = max(1, run.args.batch_size // 2)
+    batch_size = run.args.batch_size  # opt3: slices of the test set on the device, no loader
     # opt3: the totals stay on the device: one read at the end, not one wait per batch
     total_loss = torch.zeros((), device=run.device)
     correct = torch.zeros((), dtype=torch.long, device=run.device)
@@ -151,13 +148,12 @@ def evaluate(run, test_data):
             images = normalize(all_images[start:start + batch_size], run.statistics)
             labels = all_labels[start:start + batch_size]
             # opt1: the last batch padded with blank images to a full one (their outputs are dropped): one shape, so
-            # no new compiled graph or cuDNN timing for the last few images
+            # one compiled evaluation graph, not another for the last few images
             images = torch.cat([images, images.new_zeros(batch_size - len(images), *images.shape[1:])])
-            images = torch.cat([images, images.flip(3)]).contiguous(memory_format=torch.channels_last)
+            images = images.contiguous(memory_format=torch.channels_last)  # opt3: the layout the model runs in
             # opt1: 16-bit here too
             with torch.autocast(run.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32):
-                # opt3: average the logits of each image and its mirror (test-time augmentation), in one call
-                outputs = run.model(images).view(2, batch_size, -1).float().mean(0)[:len(labels)]
+                outputs = run.model(images)[:len(labels)]
             total_loss += F.cross_entropy(outputs.float(), labels, reduction="sum")  # opt1: on float32 logits
             correct += (outputs.argmax(1) == labels).sum()
     return total_loss.item() / len(all_labels), correct.item() / len(all_labels)
@@ -192,13 +188,15 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.05, fused=True)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bfloat16 needs no scaling
     # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a
-    # fixed rate; its length counts optimizer steps, not micro-batches
+    # fixed rate; its length counts optimizer steps, not micro-batches. beta1 stays AdamW's 0.9 (cycle_momentum=False):
+    # cycling it bought no accuracy here, and a fixed one is a plain number that a captured step can keep (opt4)
     steps_per_epoch = len(train_set) // args.batch_size // args.accum_steps
     total_steps = args.epochs * steps_per_epoch
     if total_steps < 5:
         common.fail(f"{total_steps} optimizer steps in all are too few for OneCycleLR's warm-up (it needs 5); "
                     "use more --epochs or --train-size")
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total_steps, pct_start=0.25)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total_steps, pct_start=0.25,
+                                                    cycle_momentum=False)
     # What the functions above need besides their data, in one object (a setting is read as run.args.name)
     run = SimpleNamespace(
         args=args,

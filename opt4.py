@@ -22,16 +22,11 @@ import harness
 def parse_args():
     # opt2: a bigger batch keeps the GPU busy with fewer, larger kernels and fewer optimizer steps
     parser = harness.build_parser(__doc__, batch_size=128, lr=8e-3)
-    # opt3: off by default: on an H200 compiling took ~38 s with an empty cache, more than all 1,950 steps of a
-    # 5-epoch run take uncompiled (~7 ms each); on a 2-core CPU it saved nothing a step
-    # opt4: captured, a step took 1.81 ms uncompiled, 1.40 compiled whole (older code): ~38 s, won back in ~90,000
+    # opt3: off by default: with the data on the device a 5-epoch run's steps take seconds on a GPU, less than
+    # compiling (~40 s with an empty cache); on a CPU it saves nothing a step
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
-                        help="torch.compile the model, inside the captured step; it pays only where the steps outlast "
-                             "its ~40 s of compiling (default: off)")
-    parser.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"],
-                        help="max-autotune-no-cudagraphs times kernel variants for minutes, longer than a short run; "
-                             "the modes that capture CUDA graphs themselves are not offered: the script captures the "
-                             "whole step (default: default)")
+                        help="torch.compile the model; it pays only where the steps outlast its ~40 s of compiling "
+                             "(default: off)")
     parser.add_argument("--accum-steps", type=harness.positive_int, default=1,
                         help="micro-batches per optimizer step; effective batch = batch size x this (default: 1)")
     parser.add_argument("--label-smoothing", type=harness.fraction, default=0.1,
@@ -43,7 +38,7 @@ def parse_args():
 def autocast_dtype(device):
     """The 16-bit type `device` runs natively, or float32 where it has none; and why, in words, for the log."""
     if device.type == "cuda":
-        # opt3: bfloat16 where the GPU runs it natively (Ampere, sm_80, and newer): float32's range, so no
+        # opt1: bfloat16 where the GPU runs it natively (Ampere, sm_80, and newer): float32's range, so no
         # GradScaler and no skipped steps. Not is_bf16_supported() alone: it also counts GPUs that only
         # emulate bfloat16 (T4, sm_75), where inductor will not compile it and the model would run eager and slow
         if torch.cuda.is_bf16_supported(including_emulation=False):
@@ -104,13 +99,13 @@ def empty_plan(steps, args, device):
     )
 
 
-def draw_epoch(run, size):
-    """One epoch of a training set of `size` images, drawn on the device: a fresh permutation cut into full
+def draw_epoch(run, image_count):
+    """One epoch of a training set of `image_count` images, drawn on the device: a fresh permutation cut into full
     micro-batches (the few images left over change each epoch; every batch is full, so the step sees one shape), and
     every image's crop offsets and flip."""
     args, generator, device = run.args, run.generator, run.device
-    rows, batch_size = size // (args.batch_size * args.accum_steps) * args.accum_steps, args.batch_size
-    permutation = torch.randperm(size, device=device, generator=generator)
+    rows, batch_size = image_count // (args.batch_size * args.accum_steps) * args.accum_steps, args.batch_size
+    permutation = torch.randperm(image_count, device=device, generator=generator)
     batches = permutation[:rows * batch_size].view(rows, batch_size)
     crop_offsets = 2 * common.CROP_PADDING + 1
     offsets = torch.randint(0, crop_offsets, (rows, 2, batch_size, 1), device=device, generator=generator)
@@ -118,10 +113,10 @@ def draw_epoch(run, size):
     return batches, offsets, flips
 
 
-def plan_epoch(run, size, epoch):
+def plan_epoch(run, image_count, epoch):
     """Draw `epoch` (draw_epoch) into the plan, with its rows of the schedule, and start its counters at 0."""
     plan, steps = run.plan, len(run.plan.schedule)
-    batches, offsets, flips = draw_epoch(run, size)
+    batches, offsets, flips = draw_epoch(run, image_count)
     # opt4: copy_ writes into the buffers the captured step reads, at the addresses it was captured with
     for buffer, values in ((plan.batches, batches), (plan.offsets, offsets), (plan.flips, flips),
                            (plan.schedule, run.schedule[(epoch - 1) * steps:epoch * steps])):
@@ -134,7 +129,6 @@ def onecycle_schedule(max_lr, total_steps, device):
     """OneCycleLR's learning rate for every optimizer step, on `device`: torch's own scheduler, stepped here once on a
     stand-in optimizer, so none runs on the host between steps and no rate is baked into a captured step."""
     stand_in = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=max_lr)
-    # opt4: beta1 stays at AdamW's 0.9 (no cycle_momentum): fused AdamW takes it as a number, which a capture keeps
     scheduler = torch.optim.lr_scheduler.OneCycleLR(stand_in, max_lr=max_lr, total_steps=total_steps, pct_start=0.25,
                                                     cycle_momentum=False)
     rates = []
@@ -154,9 +148,8 @@ def adamw(parameters, lr, device):
 
 
 def micro_batch_loss(run, micro_batch):
-    """Micro-batch `micro_batch` of the step the plan's counter is at: its images gathered from the dataset on the
-    device, normalized, cropped and flipped, the model's loss over them (divided by --accum-steps), and its loss and
-    correct count kept on the device."""
+    """The loss (over --accum-steps) of micro-batch `micro_batch` of the plan's current step, its images gathered,
+    normalized, cropped and flipped on the device; its loss and correct count kept in the plan."""
     plan, (all_images, all_labels) = run.plan, run.train_data
     # opt4: the micro-batch's row found on the device, by the plan's counter: a Python index would be baked into the
     # captured step. The row is a 1-element tensor, so each gather keeps a leading dimension of 1: squeeze(0)
@@ -173,15 +166,13 @@ def micro_batch_loss(run, micro_batch):
                         cache_enabled=False):
         outputs = run.model(images)
         loss = run.criterion(outputs, labels)
-    # opt4: into the plan's buffers: the captured step writes the same addresses every replay
-    plan.losses[row] = loss.detach()
+    plan.losses[row] = loss.detach()  # opt4: into the plan: every replay writes the same addresses
     plan.correct += (outputs.argmax(1) == labels).sum()
     return loss / run.args.accum_steps  # opt2: the mean over the effective batch
 
 
 def optimizer_step(run):
-    """The update that ends a step: the plan's learning rate for this step written into the optimizer's own tensor,
-    the step, and the counter moved on."""
+    """The update that ends a step, at the plan's learning rate for it; then the plan's counter moves on."""
     plan = run.plan
     for group in run.optimizer.param_groups:
         group["lr"].copy_(plan.schedule[plan.step].squeeze(0))  # opt4: the schedule reaches the optimizer on the device
@@ -191,15 +182,12 @@ def optimizer_step(run):
 
 
 def train_step(run):
-    """One optimizer step, whole: each micro-batch's augmentation, forward, loss and backward, then the update.
-
-    Everything it reads is on the device (the plan's batch, crops, flips and schedule, found by the plan's step
-    counter) and nothing is read back: every call is the same work on tensors at the same addresses, so the host
-    need not wait for it and a GPU can replay it as one CUDA graph.
-    """
+    """One optimizer step, whole: each micro-batch's augmentation, forward, loss and backward, then the update. It
+    reads only the device (the plan, at its step counter) and reads nothing back: every call is the same work on the
+    same addresses, so the host need not wait for it and a GPU can replay it as one CUDA graph."""
     # opt4: the gradients dropped at the start, as in PyTorch's whole-network capture: backward then makes them in the
     # graph's own memory, and a step run again after a failed capture starts without the half-recorded ones
-    run.optimizer.zero_grad()
+    run.model.zero_grad()
     for micro_batch in range(run.args.accum_steps):
         loss = micro_batch_loss(run, micro_batch)
         # opt1: float16 gradients can underflow to zero; GradScaler scales the loss up, then back
@@ -208,10 +196,9 @@ def train_step(run):
 
 
 def cuda_graph(step, warmup_steps=3):
-    """`step` (a function of no arguments) as a function that replays it as one CUDA graph: its first `warmup_steps`
-    calls run it as itself on a side stream, as PyTorch's whole-network capture does (compiling, cuDNN's autotuning
-    and the optimizer's first state happen there, not in the graph); the next captures it once; then each replays it.
-    A capture that fails says why in one line; that call and every later one then run `step` as itself."""
+    """`step` (a function of no arguments) replayed as one CUDA graph: its first `warmup_steps` calls run on a side
+    stream, as in PyTorch's whole-network capture (cuDNN's autotuning, the optimizer's first state), the next captures
+    it, the rest replay it. A capture that fails says why in one line; that call and the rest run `step` as itself."""
     graph, calls, failed = torch.cuda.CUDAGraph(), 0, False
 
     def replay():
@@ -254,13 +241,12 @@ def capture_problem(device, amp_dtype, optimizer):
 def train_one_epoch(run, train_data, epoch, monitor):
     """One pass over `train_data`; returns mean loss, accuracy, optimizer steps and images trained on."""
     run.model.train()
-    _, all_labels = train_data  # the step gathers its images from run.train_data
     # opt2: accumulating gradients of accum_steps micro-batches gives a big batch's step in less memory;
     # every step gets exactly accum_steps micro-batches, so a few left over at the end are skipped
     accum_steps = run.args.accum_steps
     # opt3: the epoch's batches are drawn on the device at once and gathered there by index: no loader, no workers,
     # no host-to-device copy; its crops and flips likewise
-    plan_epoch(run, len(all_labels), epoch)
+    plan_epoch(run, len(train_data[1]), epoch)  # the step gathers its images from run.train_data
     # opt3: losses and correct counts stay on the device: reading them per step would wait for the GPU
     losses, correct = run.plan.losses, run.plan.correct
     # opt4: each step is one call that reads the plan: on a GPU, one graph replayed
@@ -278,9 +264,7 @@ def evaluate(run, test_data):
     """Mean loss and accuracy of the model on `test_data`."""
     run.model.eval()
     all_images, all_labels = test_data
-    # opt3: each image and its mirror in one batch of --batch-size (if even): the shape cuDNN's autotuner timed in
-    # training, so it times no new one here
-    batch_size = max(1, run.args.batch_size // 2)
+    batch_size = run.args.batch_size  # opt3: slices of the test set on the device, no loader
     # opt3: the totals stay on the device: one read at the end, not one wait per batch
     total_loss = torch.zeros((), device=run.device)
     correct = torch.zeros((), dtype=torch.long, device=run.device)
@@ -289,13 +273,12 @@ def evaluate(run, test_data):
             images = normalize(all_images[start:start + batch_size], run.statistics)
             labels = all_labels[start:start + batch_size]
             # opt1: the last batch padded with blank images to a full one (their outputs are dropped): one shape, so
-            # no new compiled graph or cuDNN timing for the last few images
+            # one compiled evaluation graph, not another for the last few images
             images = torch.cat([images, images.new_zeros(batch_size - len(images), *images.shape[1:])])
-            images = torch.cat([images, images.flip(3)]).contiguous(memory_format=torch.channels_last)
+            images = images.contiguous(memory_format=torch.channels_last)  # opt3: the layout the model runs in
             # opt1: 16-bit here too
             with torch.autocast(run.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32):
-                # opt3: average the logits of each image and its mirror (test-time augmentation), in one call
-                outputs = run.model(images).view(2, batch_size, -1).float().mean(0)[:len(labels)]
+                outputs = run.model(images)[:len(labels)]
             total_loss += F.cross_entropy(outputs.float(), labels, reduction="sum")  # opt1: on float32 logits
             correct += (outputs.argmax(1) == labels).sum()
     return total_loss.item() / len(all_labels), correct.item() / len(all_labels)
@@ -322,7 +305,7 @@ def main():
     model = common.ResNet10().to(device, memory_format=torch.channels_last)
     if args.compile:
         # opt1: fuses operations into fewer kernels: less memory traffic and Python overhead
-        model.compile(mode=args.compile_mode)
+        model.compile()
     # opt2: label smoothing keeps the logits from growing without bound: better accuracy in few epochs
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     # opt1: AdamW scales each weight's step by its recent gradients, so one rate suits every layer untuned
@@ -330,7 +313,8 @@ def main():
     optimizer = adamw(model.parameters(), args.lr, device)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bfloat16 needs no scaling
     # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a
-    # fixed rate; its length counts optimizer steps, not micro-batches
+    # fixed rate; its length counts optimizer steps, not micro-batches. beta1 stays AdamW's 0.9 (cycle_momentum=False):
+    # cycling it bought no accuracy here, and a fixed one is a plain number that a captured step can keep (opt4)
     steps_per_epoch = len(train_set) // args.batch_size // args.accum_steps
     total_steps = args.epochs * steps_per_epoch
     if total_steps < 5:

@@ -131,7 +131,7 @@ def rank_slice(size, rank, world_size):
 def autocast_dtype(device):
     """The 16-bit type `device` runs natively, or float32 where it has none; and why, in words, for the log."""
     if device.type == "cuda":
-        # opt3: bfloat16 where the GPU runs it natively (Ampere, sm_80, and newer): float32's range, so no
+        # opt1: bfloat16 where the GPU runs it natively (Ampere, sm_80, and newer): float32's range, so no
         # GradScaler and no skipped steps. Not is_bf16_supported() alone: it also counts GPUs that only
         # emulate bfloat16 (T4, sm_75), where inductor will not compile it and the model would run eager and slow
         if torch.cuda.is_bf16_supported(including_emulation=False):
@@ -210,8 +210,8 @@ def empty_plan(steps, batch_size, args, device):
     )
 
 
-def draw_epoch(run, size):
-    """One epoch of a training set of `size` images, drawn on the device: a fresh permutation cut into full
+def draw_epoch(run, image_count):
+    """One epoch of a training set of `image_count` images, drawn on the device: a fresh permutation cut into full
     micro-batches (the few images left over change each epoch; every batch is full, so the step sees one shape), and
     every image's crop offsets and flip."""
     args, generator, device = run.args, run.generator, run.device
@@ -219,8 +219,8 @@ def draw_epoch(run, size):
     # batch_size; rank r takes the r-th slice of each, so the shares are disjoint
     batch_size = run.plan.batches.shape[1]  # opt5: the batch of this epoch's image size
     global_batch = batch_size * run.world_size
-    rows = size // (global_batch * args.accum_steps) * args.accum_steps
-    permutation = torch.randperm(size, device=device, generator=generator)
+    rows = image_count // (global_batch * args.accum_steps) * args.accum_steps
+    permutation = torch.randperm(image_count, device=device, generator=generator)
     batches = permutation[:rows * global_batch].view(rows, run.world_size, batch_size)[:, run.rank]
     crop_offsets = 2 * common.CROP_PADDING + 1
     # opt6: each rank its own crops and flips
@@ -229,10 +229,10 @@ def draw_epoch(run, size):
     return batches, offsets, flips
 
 
-def plan_epoch(run, size, epoch):
+def plan_epoch(run, image_count, epoch):
     """Draw `epoch` (draw_epoch) into the plan, with its rows of the schedule, and start its counters at 0."""
     plan = run.plan
-    batches, offsets, flips = draw_epoch(run, size)
+    batches, offsets, flips = draw_epoch(run, image_count)
     # opt5: run.schedule holds each epoch's rows of the table (their step counts differ by image size)
     # opt4: copy_ writes into the buffers the captured step reads, at the addresses it was captured with
     for buffer, values in ((plan.batches, batches), (plan.offsets, offsets), (plan.flips, flips),
@@ -246,7 +246,6 @@ def onecycle_schedule(max_lr, total_steps, device):
     """OneCycleLR's learning rate for every optimizer step, on `device`: torch's own scheduler, stepped here once on a
     stand-in optimizer, so none runs on the host between steps and no rate is baked into a captured step."""
     stand_in = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=max_lr)
-    # opt4: beta1 stays at AdamW's 0.9 (no cycle_momentum): fused AdamW takes it as a number, which a capture keeps
     scheduler = torch.optim.lr_scheduler.OneCycleLR(stand_in, max_lr=max_lr, total_steps=total_steps, pct_start=0.25,
                                                     cycle_momentum=False)
     rates = []
@@ -369,15 +368,13 @@ def micro_batch_loss(run, micro_batch, size):
                         cache_enabled=False):
         outputs = run.model(images)
         loss = run.criterion(outputs, labels)
-    # opt4: into the plan's buffers: the captured step writes the same addresses every replay
-    plan.losses[row] = loss.detach()
+    plan.losses[row] = loss.detach()  # opt4: into the plan: every replay writes the same addresses
     plan.correct += (outputs.argmax(1) == labels).sum()
     return loss / run.args.accum_steps  # opt2: the mean over the effective batch
 
 
 def optimizer_step(run):
-    """The update that ends a step: the plan's learning rate for this step written into the optimizer's own tensor,
-    the step, and the counter moved on."""
+    """The update that ends a step, at the plan's learning rate for it; then the plan's counter moves on."""
     plan = run.plan
     for group in run.optimizer.param_groups:
         group["lr"].copy_(plan.schedule[plan.step].squeeze(0))  # opt4: the schedule reaches the optimizer on the device
@@ -387,16 +384,13 @@ def optimizer_step(run):
 
 
 def train_step(run, size):
-    """One optimizer step, whole: each micro-batch's augmentation, forward, loss and backward, then the update.
-
-    Everything it reads is on the device (the plan's batch, crops, flips and schedule, found by the plan's step
-    counter) and nothing is read back: every call is the same work on tensors at the same addresses, so the host
-    need not wait for it and a GPU can replay it as one CUDA graph.
-    """
+    """One optimizer step, whole: each micro-batch's augmentation, forward, loss and backward, then the update. It
+    reads only the device (the plan, at its step counter) and reads nothing back: every call is the same work on the
+    same addresses, so the host need not wait for it and a GPU can replay it as one CUDA graph."""
     # opt4: the gradients dropped at the start, as in PyTorch's whole-network capture: backward then makes them in the
     # graph's own memory, and a step run again after a failed capture starts without the half-recorded ones
     # opt6: but zeroed under DDP, whose kept gradients are views of its all-reduce buckets (see train)
-    run.optimizer.zero_grad(set_to_none=run.world_size == 1)
+    run.model.zero_grad(set_to_none=run.world_size == 1)
     for micro_batch in range(run.args.accum_steps):
         # opt6: DDP all-reduces the gradients in the backward of a step's last micro-batch only (as no_sync() does)
         run.model.require_backward_grad_sync = micro_batch + 1 == run.args.accum_steps
@@ -407,10 +401,9 @@ def train_step(run, size):
 
 
 def cuda_graph(step, warmup_steps=3):
-    """`step` (a function of no arguments) as a function that replays it as one CUDA graph: its first `warmup_steps`
-    calls run it as itself on a side stream, as PyTorch's whole-network capture does (compiling, cuDNN's autotuning
-    and the optimizer's first state happen there, not in the graph); the next captures it once; then each replays it.
-    A capture that fails says why in one line; that call and every later one then run `step` as itself."""
+    """`step` (a function of no arguments) replayed as one CUDA graph: its first `warmup_steps` calls run on a side
+    stream, as in PyTorch's whole-network capture (cuDNN's autotuning, the optimizer's first state), the next captures
+    it, the rest replay it. A capture that fails says why in one line; that call and the rest run `step` as itself."""
     graph, calls, failed = torch.cuda.CUDAGraph(), 0, False
 
     def replay():
@@ -456,7 +449,6 @@ def capture_problem(device, amp_dtype, optimizer, world_size):
 def train_one_epoch(run, train_data, epoch, monitor, size):
     """One pass over `train_data`; returns mean loss, accuracy, optimizer steps and images trained on."""
     run.model.train()
-    _, all_labels = train_data  # the step gathers its images from run.train_data
     # opt2: accumulating gradients of accum_steps micro-batches gives a big batch's step in less memory;
     # every step gets exactly accum_steps micro-batches, so a few left over at the end are skipped
     accum_steps = run.args.accum_steps
@@ -464,7 +456,7 @@ def train_one_epoch(run, train_data, epoch, monitor, size):
     run.plan = run.plans[size]
     # opt3: the epoch's batches are drawn on the device at once and gathered there by index: no loader, no workers,
     # no host-to-device copy; its crops and flips likewise
-    plan_epoch(run, len(all_labels), epoch)
+    plan_epoch(run, len(train_data[1]), epoch)  # the step gathers its images from run.train_data
     # opt3: losses and correct counts stay on the device: reading them per step would wait for the GPU
     losses, correct = run.plan.losses, run.plan.correct
     # opt4: each step is one call that reads the plan: on a GPU, one graph replayed
@@ -503,7 +495,7 @@ def evaluate(run, test_data, size):
             images = normalize(all_images[start:start + batch_size], run.statistics)
             labels = all_labels[start:start + batch_size]
             # opt1: the last batch padded with blank images to a full one (their outputs are dropped): one shape, so
-            # no new compiled graph or cuDNN timing for the last few images
+            # one compiled evaluation graph, not another for the last few images
             images = torch.cat([images, images.new_zeros(batch_size - len(images), *images.shape[1:])])
             images = torch.cat([images, images.flip(3)])
             # opt5: at the size just trained on: its BatchNorm statistics are of images that size
@@ -603,7 +595,8 @@ def train(args, rank, world_size, device):
     if args.min_size_batch and args.min_size < full_size:
         batch_sizes[args.min_size] = args.min_size_batch
     # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a
-    # fixed rate; its length counts optimizer steps, not micro-batches
+    # fixed rate; its length counts optimizer steps, not micro-batches. beta1 stays AdamW's 0.9 (cycle_momentum=False):
+    # cycling it bought no accuracy here, and a fixed one is a plain number that a captured step can keep (opt4)
     epoch_steps = [len(train_set) // (batch_sizes[size] * world_size) // args.accum_steps for size in sizes]
     total_steps = sum(epoch_steps)
     if total_steps < 5:
