@@ -14,13 +14,10 @@ to nesterov) were measured before the recipe, with AdamW at 5 epochs of batch 12
 `--epochs 5 --batch-size 128 --lr 0.008 --optimizer adamw --json results/ablation.jsonl` to run them again. The
 rows run one after another: time them with nothing else running on the machine.
 
-The last four rows are bundles that name every setting they change: the recipe at 20 epochs, a 12-epoch bundle
-modelled at half its H200 time, and that bundle with changes meant to win accuracy back. They are chosen on 5,000
-held-out training images, a few seeds each; on a GPU a row trains in seconds (the recipe's steps: 5.8 s on an H200,
-compiled, older code), so the whole screen is one command:
-
-    python ablation.py --rows twenty-epochs twelve-epochs twelve-epochs+schedule+batchnorm \
-        twelve-epochs+warmup+whitening --seeds 0 1 2 --validation 5000 --json screen.jsonl
+`twenty-epochs` is the recipe with every setting named. The time rows (TIME_ROWS) train as opt5 does, set up
+differently, to cut its seconds before the steady steps; the bundles (BUNDLE_ROWS) do less work than the recipe
+(<= 0.7x its modelled H200 seconds) with tricks of airbench94 and airbench94_muon, and name every setting they change.
+screen.py runs them all in one call on a GPU (a recipe run there takes ~15 s) and decides by its rules.
 """
 import argparse
 import functools
@@ -64,8 +61,9 @@ def whitening_weights(images, eps=5e-4):
     return torch.cat([filters, -filters]).float()
 
 
-def whitening_stem(patch, images_used=5000):
-    """The stem's convolution is frozen: 54 filters whiten 3x3 patches of training images, 10 stay random."""
+def whitening_stem(patch, images_used=5000, frozen=True):
+    """The stem's convolution starts with 54 filters that whiten 3x3 patches of training images (10 stay random), and
+    stays so where `frozen`; else it trains from there."""
     load, build, loaded = opt5.load_to_device, common.ResNet10, []
 
     def load_and_keep(dataset, device):
@@ -79,7 +77,7 @@ def whitening_stem(patch, images_used=5000):
         weights = whitening_weights(opt5.normalize(images, opt5.channel_statistics(images.device)).cpu())
         with torch.no_grad():
             stem.weight[:len(weights)] = weights.to(stem.weight.device)
-        stem.weight.requires_grad_(False)  # an optimizer skips a weight that gets no gradient
+        stem.weight.requires_grad_(not frozen)  # an optimizer skips a weight that gets no gradient
         return network
     patch(opt5, "load_to_device", load_and_keep)
     patch(common, "ResNet10", model)
@@ -90,11 +88,11 @@ def alternating_flip(patch):
     each image is seen both ways, where independent coins show a quarter of them the same way twice."""
     plan, first_flips = opt5.plan_epoch, []
 
-    def plan_epoch(run, size, epoch):
-        plan(run, size, epoch)  # opt5's batches and crops; its coin per position in a batch is replaced below
+    def plan_epoch(run, image_count, epoch):
+        plan(run, image_count, epoch)  # opt5's batches and crops; its coin per position in a batch is replaced below
         if not first_flips:
             generator = torch.Generator(run.device).manual_seed(run.args.seed)
-            first_flips.append(torch.rand(size, device=run.device, generator=generator) < 0.5)
+            first_flips.append(torch.rand(image_count, device=run.device, generator=generator) < 0.5)
         run.plan.flips.copy_((first_flips[0][run.plan.batches] ^ (epoch % 2 == 0)).unsqueeze(-1))
     patch(opt5, "plan_epoch", plan_epoch)
 
@@ -114,7 +112,7 @@ def ema_of_the_weights(patch, decay=0.99):
                 with torch.no_grad():
                     for name, average in run.average.items():
                         average.lerp_(current[name], 1 - decay)
-            run.optimizer.register_step_post_hook(update)
+            run.optimizers[-1].register_step_post_hook(update)  # the last optimizer a step steps
         return train(run, train_data, epoch, monitor, size)
     patch(opt5, "train_one_epoch", train_one_epoch)
 
@@ -175,12 +173,164 @@ def whitening_at_each_size(patch, images_used=5000):
     patch(opt5, "train_one_epoch", train_one_epoch)
 
 
-# The recipe at 20 epochs, and the 12-epoch bundle: batch 1024 at a rate scaled by sqrt(2), 2048 at 16x16, 5 of its
-# 12 epochs at 32x32; each row names all its settings, so it stays itself whatever opt5's defaults are
-TWENTY_EPOCHS = ["--epochs", "20", "--batch-size", "512", "--min-size-batch", "512", "--lr", "0.016",
-                 "--full-size-share", "0.3"]
-TWELVE_EPOCHS = ["--epochs", "12", "--batch-size", "1024", "--min-size-batch", "2048", "--lr", "0.0226",
-                 "--full-size-share", "0.4"]
+def batched_orthogonalize(matrices, steps, dtype):
+    """opt5.orthogonalize on a batch of wide matrices (k x rows x columns, rows <= columns) at once."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = matrices.to(dtype)
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=1e-7)
+    for _ in range(steps):
+        gram = x @ x.transpose(-2, -1)
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x
+
+
+def as_filter(matrix, update):
+    """`matrix`, a wide view of `update`'s matrix (out x in*k*k, transposed if it is tall), in the filter's shape."""
+    return (matrix.T if update.size(0) > update[0].numel() else matrix).view(update.shape)
+
+
+def orthogonal_updates(updates, steps, dtype):
+    """Each update (a filter's) orthogonalized as a matrix, in a few batches rather than one at a time: the matrices
+    with as many rows (a tall one turned wide) stacked, each padded with zero columns to the widest. A zero column adds
+    nothing to x x^T, so it stays zero and leaves the others as they would be alone: ResNet10's 12 filters take 5
+    batches for 36 % more matmul work."""
+    sides = [sorted((update.size(0), update[0].numel())) for update in updates]  # each matrix's rows, columns: wide
+    orthogonal = [None] * len(updates)
+    for rows in sorted({rows for rows, _ in sides}):
+        members = [i for i, (its_rows, _) in enumerate(sides) if its_rows == rows]
+        batch = updates[members[0]].new_zeros(len(members), rows, max(sides[i][1] for i in members), dtype=dtype)
+        for j, i in enumerate(members):
+            as_filter(batch[j, :, :sides[i][1]], updates[i]).copy_(updates[i])  # cast to `dtype` as it copies
+        batch = batched_orthogonalize(batch, steps, dtype)
+        for j, i in enumerate(members):
+            orthogonal[i] = as_filter(batch[j, :, :sides[i][1]], updates[i])
+    return orthogonal
+
+
+def batched_muon(patch):
+    """opt5's Muon with its update in foreach ops over all the filters and their orthogonalization in 5 zero-padded
+    batches (orthogonal_updates): the same math as opt5's loop over filters, in fewer, larger ops (a CPU trace: 94 ops
+    a step against the loop's more; which is faster on a GPU is what this row measures)."""
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            filters = [parameter for parameter in group["params"] if parameter.grad is not None]
+            if not filters:  # foreach ops refuse an empty list
+                continue
+            lr, momentum = group["lr"], group["momentum"]
+            momenta = [self.state[filter_].setdefault("momentum", torch.zeros_like(filter_)) for filter_ in filters]
+            grads = [filter_.grad for filter_ in filters]
+            torch._foreach_mul_(filters, 1 - lr * group["weight_decay"])
+            torch._foreach_lerp_(momenta, grads, 1 - momentum)
+            updates = torch._foreach_lerp(grads, momenta, momentum)
+            for filter_, update in zip(filters, orthogonal_updates(updates, self.steps, self.dtype)):
+                filter_.add_(update * lr, alpha=-0.2 * max(update.size(0), update[0].numel()) ** 0.5)
+    patch(opt5.Muon, "step", step)
+
+
+def cudnn_benchmark_off(patch):
+    """cuDNN's autotuner off: no timing of each new shape's convolution algorithms (its heuristics pick one)."""
+    build = common.ResNet10
+
+    def model():
+        torch.backends.cudnn.benchmark = False  # opt5 turns it on just before it builds the model
+        return build()
+    patch(common, "ResNet10", model)
+
+
+def cudnn_benchmark_at_the_largest_size(patch):
+    """cuDNN's autotuner on only in the epochs at the full image size, where a step costs most."""
+    train = opt5.train_one_epoch
+
+    def train_one_epoch(run, train_data, epoch, monitor, size):
+        torch.backends.cudnn.benchmark = size == run.train_data[0].shape[-1]
+        return train(run, train_data, epoch, monitor, size)
+    patch(opt5, "train_one_epoch", train_one_epoch)
+
+
+def one_warmup_step(patch):
+    """One warm-up step before each capture instead of opt5's 3."""
+    patch(opt5, "cuda_graph", functools.partial(opt5.cuda_graph, warmup_steps=1))
+
+
+def lookahead(patch, every=5, decay=0.95 ** 5):
+    """Lookahead (as airbench94 uses it): every `every` steps an average of the weights and BatchNorm statistics moves
+    towards them, by 1 - decay x (steps done / all steps)^3, and is copied back into them: early in training nearly a
+    no-op, later a pull towards where they have been; after the last step the weights are the average. It runs
+    between steps, outside a captured graph."""
+    train = opt5.train_one_epoch
+
+    def pull(run, weight):
+        with torch.no_grad():
+            for average, tensor in zip(run.lookahead["average"], run.lookahead["tensors"]):
+                average.lerp_(tensor, 1 - weight)
+                tensor.copy_(average)
+
+    def counted(run, step):
+        def step_and_pull():
+            step()
+            run.lookahead["steps"] += 1
+            if run.lookahead["steps"] % every == 0:
+                pull(run, decay * (run.lookahead["steps"] / len(run.schedule)) ** 3)
+        return step_and_pull
+
+    def train_one_epoch(run, train_data, epoch, monitor, size):
+        if not hasattr(run, "lookahead"):
+            tensors = [tensor for tensor in run.model.state_dict().values() if tensor.is_floating_point()]
+            run.lookahead = {"tensors": tensors, "average": [tensor.clone() for tensor in tensors], "steps": 0}
+            run.train_steps = {size: counted(run, step) for size, step in run.train_steps.items()}
+        figures = train(run, train_data, epoch, monitor, size)
+        if epoch == run.args.epochs:
+            pull(run, 1.0)  # the weights become the average
+        return figures
+    patch(opt5, "train_one_epoch", train_one_epoch)
+
+
+def batchnorm_biases_only(patch, rate=2.0):
+    """BatchNorm without its scales (frozen at 1), its biases (and the classifier's) without weight decay at `rate` x
+    the schedule's rate (batchnorm_without_decay)."""
+    batchnorm_without_decay(patch, rate)
+    build = common.ResNet10
+
+    def model():
+        network = build()
+        for module in network.modules():
+            if isinstance(module, nn.BatchNorm2d):
+                module.weight.requires_grad_(False)
+        return network
+    patch(common, "ResNet10", model)
+
+
+def epochs_at_each_size(patch, counts):
+    """The epochs at 16, 24 and 32 px given as counts (say 8, 4, 3) instead of opt5's shares; --epochs must be their
+    sum."""
+    def image_sizes(epochs, min_size, full_size, full_share):
+        if epochs != sum(counts):
+            common.fail(f"this row trains {sum(counts)} epochs ({counts} at 16, 24, 32 px): drop --epochs {epochs}")
+        return [size for size, count in zip((16, 24, 32), counts) for _ in range(count)]
+    patch(opt5, "image_sizes", image_sizes)
+
+
+# The recipe at 20 epochs: each row names all its settings, so it stays itself whatever opt5's defaults are
+TWENTY_EPOCHS = ["--epochs", "20", "--batch-size", "512", "--lr", "0.016", "--full-size-share", "0.3"]
+# Bundles doing less work, each <= 0.7x the recipe's modelled H200 seconds: 15 epochs of 512 (8, 4, 3 at 16, 24,
+# 32 px: 0.67x), 14 of 512 (7, 4, 3: 0.64x), 16 of 1024 at lr 0.016 x sqrt(2) (8, 4, 4: 0.58x)
+FIFTEEN = (["--epochs", "15", "--batch-size", "512", "--lr", "0.016", "--label-smoothing", "0.1"],
+           functools.partial(epochs_at_each_size, counts=(8, 4, 3)))
+FOURTEEN = (["--epochs", "14", "--batch-size", "512", "--lr", "0.016", "--label-smoothing", "0.1"],
+            functools.partial(epochs_at_each_size, counts=(7, 4, 3)))
+SIXTEEN_1024 = (["--epochs", "16", "--batch-size", "1024", "--lr", "0.0226", "--label-smoothing", "0.1"],
+                functools.partial(epochs_at_each_size, counts=(8, 4, 4)))
+SMOOTHING = ["--label-smoothing", "0.2"]  # after a bundle's own flags, so it wins
+TRAINED_WHITENING = functools.partial(whitening_stem, frozen=False)
+# zero-init is not among them: with BatchNorm's scales frozen, a scale started at 0 would stay 0
+ALL_TRICKS = (lookahead, alternating_flip, TRAINED_WHITENING, batchnorm_biases_only)
+
+
+def bundle(name, schedule, techniques, change, flags=()):
+    """A ROWS entry of a bundle: `schedule` (FIFTEEN, ...) with `techniques` and any further opt5 flags."""
+    schedule_flags, sizes = schedule
+    return name, [*schedule_flags, *flags], (sizes, *techniques), change
 # (row, opt5 flags, techniques, what it changes)
 ROWS = [
     ("shipped", [], (), "opt5 as shipped"),
@@ -200,17 +350,38 @@ ROWS = [
      "5 epochs of batch 128 at lr 0.008 (opt5's defaults before the recipe) instead of 20 of 512 at 0.016"),
     ("twenty-epochs", TWENTY_EPOCHS, (), "the recipe: 20 epochs of batch 512 at lr 0.016, 7, 7 and 6 of them at 16, "
                                          "24 and 32 px"),
-    ("twelve-epochs", TWELVE_EPOCHS, (), "12 epochs: 4 at 16 px in batches of 2048, then 3 at 24 and 5 at 32 in "
-                                         "batches of 1024, lr 0.0226"),
-    ("twelve-epochs+schedule+batchnorm", TWELVE_EPOCHS, (short_schedule, batchnorm_without_decay),
-     "twelve-epochs with a 5 % warm-up to 1.4x the rate and a linear decay to 0, and BatchNorm's parameters without "
-     "weight decay at 2x the rate"),
-    ("twelve-epochs+warmup+whitening", TWELVE_EPOCHS, (functools.partial(short_schedule, peak=1.0),
-                                                        whitening_at_each_size),
-     "twelve-epochs with a 5 % warm-up and a linear decay to 0 at its own peak rate, and a frozen whitening stem "
-     "computed again at each image size"),
+    # the time rows: opt5's training, set up differently
+    ("cudnn-benchmark-off", [], (cudnn_benchmark_off,), "cuDNN's autotuner off"),
+    ("cudnn-benchmark-largest-size", [], (cudnn_benchmark_at_the_largest_size,),
+     "cuDNN's autotuner on only at the full image size"),
+    ("one-warmup-step", [], (one_warmup_step,), "1 warm-up step before each capture instead of 3"),
+    ("muon-other-form", [], (batched_muon,), "Muon's update batched (foreach ops, 5 zero-padded batches) instead of "
+                                             "a loop over filters"),
+    # the work bundles: less work than the recipe, with tricks of airbench94 and airbench94_muon
+    bundle("fifteen-epochs", FIFTEEN, (), "15 epochs: 8, 4 and 3 at 16, 24 and 32 px"),
+    bundle("fifteen-epochs+lookahead", FIFTEEN, (lookahead,), "fifteen-epochs with lookahead every 5 steps"),
+    bundle("fifteen-epochs+lookahead+zero-init+alternating-flip", FIFTEEN,
+           (lookahead, zero_init_residuals, alternating_flip),
+           "fifteen-epochs with lookahead, zero-init residual scales and alternating flips"),
+    bundle("fifteen-epochs+whitening", FIFTEEN, (whitening_stem,), "fifteen-epochs with a frozen whitening stem"),
+    bundle("fifteen-epochs+whitening-trained+lookahead", FIFTEEN, (TRAINED_WHITENING, lookahead),
+           "fifteen-epochs with a whitening stem that trains on, and lookahead"),
+    bundle("fifteen-epochs+batchnorm-biases", FIFTEEN, (batchnorm_biases_only,),
+           "fifteen-epochs with BatchNorm without scales, its biases at 2x the rate without weight decay"),
+    bundle("fifteen-epochs+all", FIFTEEN, ALL_TRICKS,
+           "fifteen-epochs with lookahead, alternating flips, a trained whitening stem, BatchNorm biases only, label "
+           "smoothing 0.2", SMOOTHING),
+    bundle("fourteen-epochs+lookahead+alternating-flip", FOURTEEN, (lookahead, alternating_flip),
+           "14 epochs (7, 4, 3 at 16, 24, 32 px) with lookahead and alternating flips"),
+    bundle("sixteen-epochs-1024+lookahead+alternating-flip", SIXTEEN_1024, (lookahead, alternating_flip),
+           "16 epochs of batch 1024 at lr 0.0226 (8, 4, 4 at 16, 24, 32 px) with lookahead and alternating flips"),
+    bundle("sixteen-epochs-1024+all", SIXTEEN_1024, ALL_TRICKS,
+           "sixteen-epochs-1024 with every trick of fifteen-epochs+all", SMOOTHING),
 ]
 ROW_NAMES = [name for name, *_ in ROWS]
+# What the one-call screen (screen.py) runs besides the recipe: time rows, then bundles
+TIME_ROWS = ["cudnn-benchmark-off", "cudnn-benchmark-largest-size", "one-warmup-step", "muon-other-form"]
+BUNDLE_ROWS = [name for name in ROW_NAMES if name.startswith(("fifteen", "fourteen", "sixteen"))]
 
 
 # ----------------------------------------------------------------------------- the scoring
