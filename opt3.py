@@ -66,11 +66,11 @@ def normalize(images, statistics):
     return (images.float() - mean) / std
 
 
-def augment(images, offsets, flips):
-    """Per image: the crop of the reflect-padded image, as large as the image, whose corner is at `offsets` (top and
-    left, 2 x batch x 1), mirrored where `flips` (batch x 1) is True."""
-    (batch, channels, height, width), device, pad = images.shape, images.device, common.CROP_PADDING
-    padded = F.pad(images, (pad, pad, pad, pad), mode="reflect")
+def augment(images, offsets, flips, padding):
+    """Per image: the crop of the image reflect-padded by `padding` pixels, as large as the image, whose corner is at
+    `offsets` (top and left, 2 x batch x 1, each 0 to 2 x padding), mirrored where `flips` (batch x 1) is True."""
+    (batch, channels, height, width), device = images.shape, images.device
+    padded = F.pad(images, (padding, padding, padding, padding), mode="reflect")
     top, left = offsets
     rows = top + torch.arange(height, device=device)
     pixels = torch.arange(width, device=device)
@@ -111,7 +111,8 @@ def train_one_epoch(run, train_data, epoch, monitor):
     for micro_step, indices in enumerate(batches):
         # opt2: normalized inputs condition the optimization; random crops and flips add data for free
         # opt3: normalize, crop and flip the whole batch on the device; channels_last for the model
-        images = augment(normalize(all_images[indices], run.statistics), offsets[micro_step], flips[micro_step])
+        images = normalize(all_images[indices], run.statistics)
+        images = augment(images, offsets[micro_step], flips[micro_step], common.CROP_PADDING)
         images = images.contiguous(memory_format=torch.channels_last)
         labels = all_labels[indices]
         # opt1: autocast runs convolutions in 16-bit where it is native: half the memory traffic, tensor cores

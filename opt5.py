@@ -83,11 +83,11 @@ def normalize(images, statistics):
     return (images.float() - mean) / std
 
 
-def augment(images, offsets, flips):
-    """Per image: the crop of the reflect-padded image, as large as the image, whose corner is at `offsets` (top and
-    left, 2 x batch x 1), mirrored where `flips` (batch x 1) is True."""
-    (batch, channels, height, width), device, pad = images.shape, images.device, common.CROP_PADDING
-    padded = F.pad(images, (pad, pad, pad, pad), mode="reflect")
+def augment(images, offsets, flips, padding):
+    """Per image: the crop of the image reflect-padded by `padding` pixels, as large as the image, whose corner is at
+    `offsets` (top and left, 2 x batch x 1, each 0 to 2 x padding), mirrored where `flips` (batch x 1) is True."""
+    (batch, channels, height, width), device = images.shape, images.device
+    padded = F.pad(images, (padding, padding, padding, padding), mode="reflect")
     top, left = offsets
     rows = top + torch.arange(height, device=device)
     pixels = torch.arange(width, device=device)
@@ -228,7 +228,7 @@ def micro_batch_loss(run, micro_batch, size):
     indices, offsets, flips = plan.batches[row].squeeze(0), plan.offsets[row].squeeze(0), plan.flips[row].squeeze(0)
     # opt2: normalized inputs condition the optimization; random crops and flips add data for free
     # opt3: normalize, crop and flip the whole batch on the device; channels_last for the model
-    images = augment(normalize(all_images[indices], run.statistics), offsets, flips)
+    images = augment(normalize(all_images[indices], run.statistics), offsets, flips, common.CROP_PADDING)
     # opt5: progressive resizing: a convolution's work scales with the pixels, so a 16x16 epoch has a quarter of a
     # 32x32 one's; ResNet10 pools globally, so it takes any size, and the last epochs teach it 32x32
     images = downscale(images, size).contiguous(memory_format=torch.channels_last)

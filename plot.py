@@ -384,9 +384,12 @@ def recipe_table(runs):
 
 # opt5's defaults since the recipe work; a test checks opt5.py's parser gives them
 RECIPE = {"epochs": 20, "batch_size": 512, "lr": 0.016, "optimizer": "muon", "ns_steps": 3, "min_size": 16,
-          "full_size_share": 0.3, "min_size_batch": None, "label_smoothing": 0.1, "accum_steps": 1, "train_size": None}
-# opt5's flags younger than some rows, with what those rows ran: 20 epochs split 7, 7, 6 by size, one batch
+          "full_size_share": 0.3, "label_smoothing": 0.1, "accum_steps": 1, "train_size": None}
+# opt5's flags younger than some rows, with what those rows ran: 20 epochs split 7, 7, 6 by size, one batch; and
+# --min-size-batch, which some rows ran (a batch of its own at the smallest size) and opt5 no longer has: a row that
+# set it is not the recipe
 ADDED_LATER = {"full_size_share": 0.3, "min_size_batch": None}
+RECIPE_AS_A_ROW_SAYS = {**RECIPE, "min_size_batch": None}
 
 
 def setting(run, name):
@@ -410,7 +413,7 @@ def last_per_seed(runs):
 def recipe_runs(runs, epochs=RECIPE["epochs"]):
     """opt5's runs of its defaults (RECIPE, but for `epochs`) on the whole test set, the last of each seed: opt5.py's
     own and ablation.py's `shipped` rows, not its other rows (their change is not always in the settings)."""
-    wanted = {**RECIPE, "epochs": epochs}
+    wanted = {**RECIPE_AS_A_ROW_SAYS, "epochs": epochs}
     return last_per_seed(run for run in runs if run["script"] == "opt5.py" and on_the_test_set(run)
                          and run.get("row", "shipped") == "shipped"
                          and all(setting(run, name) == value for name, value in wanted.items()))
@@ -471,7 +474,7 @@ def row_is_at_the_recipes_length(row):
     _, row_flags, _, _ = ablation.ROWS[ablation.ROW_NAMES.index(row["row"])]
     own = {flag[2:].replace("-", "_") for flag in row_flags if flag.startswith("--")}
     return row["script"] == "opt5.py" and on_the_test_set(row) and all(
-        setting(row, name) == value for name, value in RECIPE.items() if name not in own)
+        setting(row, name) == value for name, value in RECIPE_AS_A_ROW_SAYS.items() if name not in own)
 
 
 def recipe_ablation(recipe):
@@ -534,7 +537,8 @@ def screen_table(lines):
     for line in lines:
         if "row" in line and line["settings"].get("validation"):
             # the shipped row of the 20-epoch recipe's days is twenty-epochs by another name
-            recipe = line["row"] == "shipped" and all(setting(line, name) == value for name, value in RECIPE.items())
+            recipe = line["row"] == "shipped" and all(setting(line, name) == value
+                                                      for name, value in RECIPE_AS_A_ROW_SAYS.items())
             rows.setdefault("twenty-epochs" if recipe else line["row"], {})[line["settings"]["seed"]] = line
     if not rows:
         return []
