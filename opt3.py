@@ -89,7 +89,7 @@ def draw_epoch(run, image_count):
     rows, batch_size = image_count // (args.batch_size * args.accum_steps) * args.accum_steps, args.batch_size
     permutation = torch.randperm(image_count, device=device, generator=generator)
     batches = permutation[:rows * batch_size].view(rows, batch_size)
-    crop_offsets = 2 * common.CROP_PADDING + 1
+    crop_offsets = 2 * run.crop_padding + 1
     offsets = torch.randint(0, crop_offsets, (rows, 2, batch_size, 1), device=device, generator=generator)
     flips = torch.rand((rows, batch_size, 1), device=device, generator=generator) < 0.5
     return batches, offsets, flips
@@ -112,7 +112,7 @@ def train_one_epoch(run, train_data, epoch, monitor):
         # opt2: normalized inputs condition the optimization; random crops and flips add data for free
         # opt3: normalize, crop and flip the whole batch on the device; channels_last for the model
         images = normalize(all_images[indices], run.statistics)
-        images = augment(images, offsets[micro_step], flips[micro_step], common.CROP_PADDING)
+        images = augment(images, offsets[micro_step], flips[micro_step], run.crop_padding)
         images = images.contiguous(memory_format=torch.channels_last)
         labels = all_labels[indices]
         # opt1: autocast runs convolutions in 16-bit where it is native: half the memory traffic, tensor cores
@@ -210,6 +210,7 @@ def main():
         scheduler=scheduler,
         generator=generator,
         statistics=channel_statistics(device),
+        crop_padding=common.CROP_PADDING,
     )
 
     records = []

@@ -137,7 +137,7 @@ def draw_epoch(run, image_count):
     rows, batch_size = image_count // (args.batch_size * args.accum_steps) * args.accum_steps, args.batch_size
     permutation = torch.randperm(image_count, device=device, generator=generator)
     batches = permutation[:rows * batch_size].view(rows, batch_size)
-    crop_offsets = 2 * common.CROP_PADDING + 1
+    crop_offsets = 2 * run.crop_padding + 1
     offsets = torch.randint(0, crop_offsets, (rows, 2, batch_size, 1), device=device, generator=generator)
     flips = torch.rand((rows, batch_size, 1), device=device, generator=generator) < 0.5
     return batches, offsets, flips
@@ -156,8 +156,7 @@ def plan_epoch(run, image_count, epoch):
 
 
 def onecycle_schedule(max_lr, total_steps, device):
-    """OneCycleLR's learning rate for every optimizer step, on `device`: torch's own scheduler, stepped here once on a
-    stand-in optimizer, so none runs on the host between steps and no rate is baked into a captured step."""
+    """OneCycleLR's rate for every step as a table on `device` (none baked into a captured step), from torch's own."""
     stand_in = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=max_lr)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(stand_in, max_lr=max_lr, total_steps=total_steps, pct_start=0.25,
                                                     cycle_momentum=False)
@@ -228,7 +227,7 @@ def micro_batch_loss(run, micro_batch, size):
     indices, offsets, flips = plan.batches[row].squeeze(0), plan.offsets[row].squeeze(0), plan.flips[row].squeeze(0)
     # opt2: normalized inputs condition the optimization; random crops and flips add data for free
     # opt3: normalize, crop and flip the whole batch on the device; channels_last for the model
-    images = augment(normalize(all_images[indices], run.statistics), offsets, flips, common.CROP_PADDING)
+    images = augment(normalize(all_images[indices], run.statistics), offsets, flips, run.crop_padding)
     # opt5: progressive resizing: a convolution's work scales with the pixels, so a 16x16 epoch has a quarter of a
     # 32x32 one's; ResNet10 pools globally, so it takes any size, and the last epochs teach it 32x32
     images = downscale(images, size).contiguous(memory_format=torch.channels_last)
@@ -424,6 +423,7 @@ def main():
         generator=generator,
         train_data=train_data,
         statistics=channel_statistics(device),
+        crop_padding=common.CROP_PADDING,
         # opt4: the schedule as a table on the device, and the plan: the buffers every step reads and writes
         schedule=onecycle_schedule(args.lr, total_steps, device),
         plan=empty_plan(steps_per_epoch, args, device),
