@@ -2467,17 +2467,23 @@ def write_plot_fixture(folder):
         return {"script": script, "chain": 2, "data": "cifar10", "device": "cuda", "device_name": "Test GPU",
                 "threads": 16,
                 "cpu": "Test CPU (AMX)", "torch": "2.11.0", "final_test_accuracy": accuracy,
-                "command": f"python {script} {flags} --epochs 3 --data-dir /tmp/c10 --device cuda --json gpu.jsonl",
+                "command": f"python {script} {flags} --epochs 5 --data-dir /tmp/c10 --device cuda --json gpu.jsonl",
                 "steady_images_per_second": steady, "steady_ms_per_step": steady and 6.4e4 / steady,
                 "total_seconds": 20.0, "launch_to_result_seconds": 30.0, "peak_memory_bytes": 2**30,
                 "settings": {"batch_size": 64 if script == "baseline.py" else 128}, "epochs": epochs}
 
-    # Three runs on a GPU, before rows recorded their commit (its folder's name has it), the first run last
+    # Three runs on a GPU, before rows recorded their commit (its folder's name has it), the first run last; then
+    # two at a newer commit, one of them twice (the later row counts), whose opt4 replaces the older one's
     (folder / "gpu-abc1234").mkdir()
     gpu = [gpu_run("opt4.py", "", 40_000.0, 0.85), gpu_run("baseline.py", "", 5_000.0, 0.75),
            gpu_run("opt5.py", "--optimizer adamw", None, 0.84, sizes=(16, 16, 32)),
            {**gpu_run("opt4.py", "", 1.0, 0.1), "data": "synthetic"}]
     (folder / "gpu-abc1234" / "chain.jsonl").write_text("".join(json.dumps(line) + "\n" for line in gpu))
+    (folder / "gpu-def5678").mkdir()
+    newer = [{**gpu_run("opt4.py", "", 64_000.0, 0.86), "date": "2026-11-28T05:00:00", "commit": "def5678"},
+             {**gpu_run("opt3.py", "", 16_000.0, 0.83), "date": "2026-11-28T04:00:00", "commit": "def5678"},
+             {**gpu_run("opt4.py", "", 2.0, 0.2), "date": "2026-11-28T04:30:00", "commit": "def5678"}]
+    (folder / "gpu-def5678" / "chain.jsonl").write_text("".join(json.dumps(line) + "\n" for line in newer))
     recipe = [{**timed_run("opt5.py", "--epochs 3 --batch-size 512 --validation 5000", [16, 16, 32], [5, 10, 30.0],
                            0.9, validation=5000), "training_flops": 2.5e15, "modelled_h200_seconds": 1.234},
               {**timed_run("opt5.py", "--epochs 2", [16, 32], [5, 12.0], 0.85, validation=0),
@@ -2510,7 +2516,8 @@ def write_plot_fixture(folder):
     for name, lines in (("runs", runs), ("ladder", [ladder]), ("convergence", convergence), ("curve", curve),
                         ("seeds", seeds), ("ablation", ablation), ("muon", muon), ("muon-other-cpu", muon_other_cpu)):
         (folder / f"{name}.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    return ["--gpu", folder / "gpu-abc1234" / "chain.jsonl", "--recipe", folder / "recipe.jsonl",
+    return ["--gpu", folder / "gpu-def5678" / "chain.jsonl", folder / "gpu-abc1234" / "chain.jsonl",
+            "--recipe", folder / "recipe.jsonl",
             "--runs", folder / "runs.jsonl",
             "--ladder", folder / "ladder.jsonl",
             "--convergence", folder / "convergence.jsonl", "--curve", folder / "curve.jsonl",
@@ -2579,11 +2586,19 @@ def test_plot_tables_the_recipes_ablation_rows_against_the_mean_of_its_seeds(tab
 
 
 def test_plot_tables_the_gpu_runs_in_the_chains_order_with_their_commit(tables):
-    assert "Test GPU, 16 threads of an Test CPU (AMX), torch 2.11.0, commit abc1234:" in tables
-    assert "| baseline.py | 5,000 | 1.00x | 12.8 (64) | 75.00 | 30.0 | 5.0 | 10.0 | 1.00 |" in tables
-    assert "| opt4.py | 40,000 | 8.00x | 1.6 (128) | 85.00 | 30.0 | 5.0 | 10.0 | 1.00 |" in tables
+    """The newest row of each script: a newer file's (its latest by date) before an older file's, each with its
+    folder's commit, in the chain's order."""
+    assert "Test GPU, 16 threads of an Test CPU (AMX), torch 2.11.0, commits abc1234 (baseline, opt5), " \
+           "def5678 (opt3, opt4):" in tables
+    assert "| baseline.py | 5,000 | 1.00x | 12.8 (64) | 75.00 | 30.0 | 5.0 | 10.0 | 1.00 | abc1234 |" in tables
+    assert "| opt3.py | 16,000 | 3.20x | 4.0 (128) | 83.00 | 30.0 | 5.0 | 10.0 | 1.00 | def5678 |" in tables
+    assert "| opt4.py | 64,000 | 12.80x | 1.0 (128) | 86.00 | 30.0 | 5.0 | 10.0 | 1.00 | def5678 |" in tables
     assert "| opt5.py --optimizer adamw | 50,000 at 16 px | - | 2.6 at 16 px (128) | 84.00 |" in tables
-    assert tables.index("| baseline.py |") < tables.index("| opt4.py |") < tables.index("| opt5.py --optimizer")
+    assert "| opt4.py | 40,000 |" not in tables and "| opt4.py | 2 |" not in tables, \
+        "the older file's opt4 and the newer file's earlier row: left out"
+    assert tables.index("| baseline.py |") < tables.index("| opt3.py |") < tables.index("| opt4.py |") < \
+        tables.index("| opt5.py --optimizer")
+    assert "| peak memory GiB | commit |" in tables
 
 
 def test_plot_draws_and_tables_a_ladder_from_a_cpu_without_a_bfloat16_unit(tmp_path):
@@ -2735,6 +2750,18 @@ def test_plot_reads_older_rows_by_todays_names_and_diffs_a_script_under_its_name
     assert plot_there.changed_since(commit, {"opt4.py": "opt3.py", "opt5.py": "opt4.py"}) == []
     assert plot_there.changed_since(commit, {"opt4.py": "opt4.py"}) == ["opt4.py"], "the same name then: the recipe"
     assert plot_there.changed_since("0000000", {"opt4.py": "opt3.py"}) is None
+
+    # Runs from two commits: each script against its own run's commit
+    subprocess.run([*git, "add", "opt4.py", "opt5.py"], cwd=tmp_path, check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "today's numbering"], cwd=tmp_path, check=True)
+    newer = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, capture_output=True,
+                           text=True, check=True).stdout.strip()
+    (tmp_path / "opt5.py").write_text("step = 'recipe, changed'\n")
+    runs = {"opt4.py": [{"script": "opt4.py", "ran_as": "opt3.py", "commit": commit}],
+            "opt5.py": [{"script": "opt5.py", "ran_as": "opt5.py", "commit": newer}]}
+    assert plot_there.changed_since_their_rows(runs) == {commit: [], newer: ["opt5.py"]}
+    assert plot_there.changed_since_their_rows({**runs, "opt4.py": [{**runs["opt4.py"][0], "commit": "0000000"}]}) \
+        is None
 
 
 # -------------------------------------------------------------- the front page against the data
