@@ -2780,10 +2780,12 @@ def readme_chain_table():
 
 def test_readme_chain_table_is_the_gpus_rows_and_says_whose_code_changed_since():
     readme, table = (ROOT / "README.md").read_text(), readme_chain_table()
-    gpu = plot.gpu_runs([ROOT / path for path in plot.GPU_RUNS])
+    gpu = plot.at_defaults(plot.gpu_runs([ROOT / path for path in plot.GPU_RUNS]))
     rows = {row["name"]: row for row in benchmark.chain_rows(gpu)}
-    commit, baseline = gpu["opt4.py"][0]["commit"], rows["baseline.py"]["images_per_second"]["all"]
-    assert f"| H200, {commit}: images/s |" in readme and f"ran the chain at commit {commit}" in " ".join(readme.split())
+    commit, baseline = {name: runs[0]["commit"] for name, runs in gpu.items()}, \
+        rows["baseline.py"]["images_per_second"]["all"]
+    where_from = readme[readme.index("**Where the numbers come from:**"):readme.index("## Set up")]
+    assert "| H200 images/s |" in readme and all(row_commit in where_from for row_commit in plot.commits(gpu))
     assert list(table) == list(ALL_SCRIPTS)
     for script, row in rows.items():
         speed, speedup, accuracy, launch_to_result = table[script][2:6]
@@ -2792,24 +2794,33 @@ def test_readme_chain_table_is_the_gpus_rows_and_says_whose_code_changed_since()
                            else "-"), script
         assert (accuracy, launch_to_result) == (f"{100 * row['test_accuracy']:.2f}",
                                                 f"{row['launch_to_result_seconds']:.1f}"), script
+        assert table[script][-1].startswith(f"{commit[script]}; "), script
     assert f"(the H200's rows add up to {sum(row['launch_to_result_seconds'] for row in rows.values()) / 60:.1f} " \
            "minutes)" in readme
-    # What each optimization bought on the GPU, in "What to copy first"
+    # What each optimization bought on the GPU, in "What to copy first" and the prose
     speed = {script: row["images_per_second"].get("all") for script, row in rows.items()}
     accuracy = {script: 100 * row["test_accuracy"] for script, row in rows.items()}
     launch_to_result = {script: row["launch_to_result_seconds"] for script, row in rows.items()}
+    steps = {script: row["ms_per_step"].get("all") for script, row in rows.items()}
     for bought in (f"H200: with compile {speed['opt1.py'] / speed['baseline.py']:.2f}x",
                    f"{accuracy['opt1.py']:.2f} % -> {accuracy['opt2.py']:.2f} % after 5 epochs (H200)",
-                   f"{speed['opt4.py'] / speed['opt2.py']:.1f}x opt2's images/s (H200, at {commit})",
+                   f"H200, at {commit['opt4.py']}: {speed['opt3.py'] / speed['opt2.py']:.1f}x opt2's images/s alone "
+                   f"(opt3), {speed['opt4.py'] / speed['opt2.py']:.1f}x with the next row",
                    f"+{accuracy['opt5.py'] - accuracy['opt4.py']:.1f} points for "
                    f"{100 * (launch_to_result['opt5.py'] / launch_to_result['opt4.py'] - 1):.0f} % more time than opt4",
-                   f"{rows['opt4.py']['ms_per_step']['all']:.1f} ms a step at batch 128"):
-        assert bought in readme, bought
-    changed = plot.changed_since(commit, plot.scripts_then(gpu))
+                   f"{steps['opt4.py']:.2f} ms a step at batch 128, opt3's loop {steps['opt3.py']:.2f} "
+                   f"({steps['opt3.py'] / steps['opt4.py']:.1f}x)",
+                   f"**{steps['opt4.py']:.2f} ms, {steps['opt3.py'] / steps['opt4.py']:.1f}x faster**",
+                   f"{accuracy['opt5.py']:.2f} % on the H200 in {launch_to_result['opt5.py']:.1f} s from launch, "
+                   f"{launch_to_result['opt5.py'] / launch_to_result['opt4.py']:.1f}x opt4's "
+                   f"{launch_to_result['opt4.py']:.1f} s"):
+        assert bought in " ".join(readme.split()), bought
+    changed = plot.changed_since_their_rows(gpu)
     if changed is None:
-        pytest.skip(f"no git history here to tell which scripts changed since commit {commit}")
+        pytest.skip("no git history here to tell which scripts changed since their rows' commits")
+    changed = {script for scripts in changed.values() for script in scripts}
     for script, cells in table.items():  # a script changed since its row, or without one, says so
-        assert cells[-1].startswith("unchanged") == (script in rows and script not in changed), script
+        assert ("; unchanged" in cells[-1]) == (script in rows and script not in changed), script
         assert ("not measured on a GPU" in cells[-1]) == (script in changed or script not in rows), script
 
 
@@ -2858,10 +2869,10 @@ def test_readme_cpu_figures_are_the_measured_data():
 
 def test_results_page_tables_are_plots_from_the_data():
     results_page = (ROOT / "results/README.md").read_text()
-    gpu_tables = []  # the chain on the H200 now, and before the whole step
-    for paths in (plot.GPU_RUNS, plot.GPU_RUNS_BEFORE):
+    gpu_tables = []  # each script's newest rows on the H200, the chain at 38c59a9, and before the whole step
+    for paths in (plot.GPU_RUNS, plot.GPU_RUNS[1:], plot.GPU_RUNS_BEFORE):
         gpu = plot.gpu_runs([ROOT / path for path in paths])
-        gpu_tables += [f"{plot.gpu_words(gpu)}:", *benchmark.chain_table(gpu).splitlines()]
+        gpu_tables += [f"{plot.gpu_words(gpu)}:", *plot.gpu_table(gpu).splitlines()]
     for line in [*gpu_tables, *plot.recipe_table(json_lines("recipe.jsonl")),
                  *plot.recipe_summary(json_lines("recipe.jsonl")), *plot.screen_table(json_lines("screen.jsonl"))]:
         assert line in results_page, line
