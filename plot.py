@@ -1,10 +1,10 @@
 """plot.py: draw the README's figures from the measured data in results/.
 
-    python plot.py            # results/h200-38c59a9/*.jsonl -> results/chain.png; the CPU runs -> results/cpu.png
+    python plot.py            # each script's newest H200 row (GPU_RUNS) -> results/chain.png; the CPU runs -> results/cpu.png
     python plot.py --tables   # the same data, and ablation.py's rows, as the markdown tables of results/README.md
 
 chain.png, the GPU's: each script's steady images/s at its defaults, and where each run's seconds from launch to
-result went (before the first epoch, the first epoch with its compiling, the rest), with its test accuracy.
+result went (before the first epoch, the first epoch with its warm-up, the rest), with its test accuracy and commit.
 cpu.png, three panels: test accuracy per epoch of each script on real CIFAR-10; steady images/s of each rung of
 the ladder (benchmark.py --ladder); and the final test accuracy of opt4, and of opt5 with each optimizer, against
 launch-to-result time as a share of opt4 --epochs 5's on the same CPU (one file of --muon per CPU), one point per
@@ -30,17 +30,19 @@ CONVERGENCE = ["opt4.py", "opt5.py"]  # the step opt5 takes, and the rung it is 
 DEFAULT_EPOCHS = 5  # opt4's --epochs default, and opt5's before the recipe: the runs the curve summary compares
 OPTIMIZER_NAMES = {"opt5.py muon": "Muon", "opt5.py adamw": "AdamW"}
 CHAIN_ORDER = {script: index for index, script in enumerate(benchmark.SCRIPTS)}
-# The chain on an H200 after the whole step moved onto the device; and before it (--gpu gives those to --tables).
-# Data files keep the names their runs had: opt4-cold-cache.jsonl is today's opt5 (the recipe)
-GPU_RUNS = [f"results/h200-38c59a9/{name}.jsonl" for name in ("chain-cold-cache", "opt4-cold-cache")]
+# The newest row of each script on an H200: today's code where it ran (4faed98), then the chain after the whole step
+# moved onto the device (38c59a9) for the scripts that did not; and before it (--gpu gives those to --tables).
+# Data files keep the names their runs had: h200-38c59a9/opt4-cold-cache.jsonl is today's opt5 (the recipe)
+GPU_RUNS = ["results/h200-4faed98/chain.jsonl",
+            *(f"results/h200-38c59a9/{name}.jsonl" for name in ("chain-cold-cache", "opt4-cold-cache"))]
 GPU_RUNS_BEFORE = [f"results/h200-410ebec/{name}.jsonl" for name in ("chain-cold-cache", "warm-cache", "bigger-batch")]
 
 
 def parse_args():
     parser = harness.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpu", nargs="+", default=GPU_RUNS,
-                        help=f"the scripts' --json lines of real-data runs on a GPU, in the order to show them "
-                             f"(default: {' '.join(GPU_RUNS)})")
+                        help=f"the scripts' --json lines of real-data runs on a GPU, newest first: a script's run "
+                             f"with the same flags in a later file is left out (default: {' '.join(GPU_RUNS)})")
     parser.add_argument("--runs", default="results/chain-5-epochs.jsonl",
                         help="the scripts' --json lines of real-data runs (default: results/chain-5-epochs.jsonl)")
     parser.add_argument("--ladder", default="results/ladder.jsonl",
@@ -79,32 +81,61 @@ def parse_args():
 
 
 def gpu_runs(paths):
-    """{name: [report]} of every real-data GPU run in `paths`, file by file, each file's in the chain's order. A name
-    is the script and the flags it was given beyond the data, device, epochs and JSON, and "warm cache" where the
-    file's name says its compiler cache was.
+    """{name: [report]} of the newest real-data GPU run of each name in `paths`, in the chain's order. A name is the
+    script and the flags it was given beyond the data, device, JSON and `--epochs 5`, and "warm cache" where the
+    file's name says its compiler cache was. `paths` go newest first: a name a file has is not taken from a later one;
+    within a file the latest row (by its date) of a name is taken.
     A run's commit is its folder's (results/h200-38c59a9/: 38c59a9), the code the folder's runs measured: a row may name
     an older one (h200-410ebec/'s name none; h200-38c59a9/'s say ffd0304 and ffd0304+changes: its README says why)."""
     runs = {}
     for path in paths:
-        for run in sorted(read_lines(path), key=lambda run: CHAIN_ORDER.get(run.get("script"), len(CHAIN_ORDER))):
+        commit, newest = Path(path).parent.name.rpartition("-")[2], {}
+        for run in read_lines(path):
             if run.get("data") != "cifar10" or run.get("device", "").split(":")[0] != "cuda":
                 continue
-            shown = flags(run, dropped=("--data-dir", "--json", "--device", "--epochs"))
-            name = " ".join([run["script"], *([] if shown == "(defaults)" else [shown])]) + \
+            shown = re.sub(rf"(^| )--epochs {DEFAULT_EPOCHS}\b", "",
+                           flags(run, dropped=("--data-dir", "--json", "--device"))).strip()
+            name = " ".join([run["script"], *([] if shown in ("(defaults)", "") else [shown])]) + \
                 (", warm cache" if "warm" in Path(path).name else "")
-            runs.setdefault(name, []).append({**run, "commit": Path(path).parent.name.rpartition("-")[2]})
+            if name not in runs and run.get("date", "") >= newest.get(name, {}).get("date", ""):
+                newest[name] = {**run, "commit": commit}
+        runs.update(newest)
     if not runs:
         common.fail(f"no real-CIFAR-10 GPU run in {' '.join(map(str, paths))}")
-    return runs
+    chain_order = sorted(runs, key=lambda name: CHAIN_ORDER.get(runs[name]["script"], len(CHAIN_ORDER)))
+    return {name: [runs[name]] for name in chain_order}
+
+
+def commits(runs):
+    """{commit: [its scripts, shortened: "opt4"]} of `runs` (gpu_runs'), in the order of their first run."""
+    scripts = {}
+    for script_runs in runs.values():
+        for run in script_runs:
+            names = scripts.setdefault(run["commit"], [])
+            if run["script"].removesuffix(".py") not in names:
+                names.append(run["script"].removesuffix(".py"))
+    return scripts
 
 
 def gpu_words(runs):
     """The GPU, its host and software, and the code the runs measured: "NVIDIA H200, 16 threads of an Intel Xeon
-    (AMX-BF16), torch 2.11.0+cu130, commit 410ebec" (commits, in the runs' order, where they differ)."""
-    first = next(iter(runs.values()))[0]
-    commits = list(dict.fromkeys(run["commit"] for script_runs in runs.values() for run in script_runs))
-    return f"{first['device_name']}, {first['threads']} threads of an {first['cpu']}, torch {first['torch']}, " \
-        f"commit{'s' * (len(commits) > 1)} {', '.join(commits)}"
+    (AMX-BF16), torch 2.11.0+cu130, commit 410ebec"; where they differ, each commit with its scripts:
+    "commits 4faed98 (opt2, opt3), 38c59a9 (baseline, opt1)"."""
+    every = [run for script_runs in runs.values() for run in script_runs]
+    torches = ", ".join(dict.fromkeys(run["torch"] for run in every))
+    by_commit = commits(runs)
+    code = f"commit {next(iter(by_commit))}" if len(by_commit) == 1 else \
+        "commits " + ", ".join(f"{commit} ({', '.join(names)})" for commit, names in by_commit.items())
+    # a run's threads are its own torch's (opt2 keeps 1 beside its loader workers): the host has the most of them
+    return f"{every[0]['device_name']}, {max(run['threads'] for run in every)} threads of an {every[0]['cpu']}, " \
+        f"torch {torches}, {code}"
+
+
+def gpu_table(runs):
+    """benchmark.chain_table of `runs` (gpu_runs') with each row's commit in a last column."""
+    lines = benchmark.chain_table(runs).splitlines()
+    return "\n".join([lines[0] + " commit |", lines[1] + "---|",
+                      *(line + f" {script_runs[0]['commit']} |" for line, script_runs in zip(lines[2:], runs.values()))])
 
 
 # The call that writes a run's report: a script changed in it alone trains as it did
@@ -138,31 +169,52 @@ def scripts_then(runs):
     return {run["script"]: run["ran_as"] for script_runs in runs.values() for run in script_runs}
 
 
+def at_defaults(runs):
+    """The runs of `runs` (gpu_runs') of the chain's scripts at their defaults: the README's table and figure."""
+    return {name: script_runs for name, script_runs in runs.items() if name in CHAIN + CONVERGENCE}
+
+
+def changed_since_their_rows(runs):
+    """{commit: the scripts of `runs` (gpu_runs') measured at it whose code changed since} (changed_since, each
+    script against its own run's commit), or None where that is not known for some commit."""
+    changed = {}
+    for commit in commits(runs):
+        at_commit = {name: script_runs for name, script_runs in runs.items() if script_runs[0]["commit"] == commit}
+        changed[commit] = changed_since(commit, scripts_then(at_commit))
+        if changed[commit] is None:
+            return None
+    return changed
+
+
 def draw_gpu(runs, out, words):
-    """Two panels: steady images/s of each chain script; each run's launch to result in its three parts."""
+    """Two panels: steady images/s of each chain script at its defaults; each one's launch to result in its three
+    parts. Each is labelled with its run's commit."""
     import matplotlib
     matplotlib.use("Agg")  # files only, no window
     import matplotlib.pyplot as plt
 
+    runs = at_defaults(runs)
     rows = benchmark.chain_rows(runs)
+    commit = {name: script_runs[0]["commit"] for name, script_runs in runs.items()}
     figure, (speed_axis, time_axis) = plt.subplots(1, 2, figsize=(15, 5.6), dpi=100,
                                                     gridspec_kw={"width_ratios": [1, 1.6]})
-    chain = [row for row in rows if row["name"] in CHAIN + CONVERGENCE]
-    baseline = chain[0]["images_per_second"]["all"]
+    chain = rows
+    baseline, shown = chain[0]["images_per_second"]["all"], []
     for index, row in enumerate(chain):
         speeds = row["images_per_second"]
         # opt5's epochs change image size: its bar is the speed at its largest steady size
         size, speed = max(speeds.items(), key=lambda item: str(item[0]))
         speed_axis.bar(index, speed, color="tab:blue" if size == "all" else "tab:green")
+        shown.append(speed)
         label = f"{speed:,.0f}\n{speed / baseline:.1f}x" if size == "all" else f"{speed:,.0f}\nat {size} px"
         speed_axis.text(index, speed, label, ha="center", va="bottom", fontsize=8)
-    speed_axis.set_xticks(range(len(chain)), [row["name"].replace(".py", "") for row in chain], fontsize=8)
-    speed_axis.set(ylabel="training images/s (epochs 2 on)", ylim=(0, 1.25 * max(
-        max(row["images_per_second"].values()) for row in chain)))
+    speed_axis.set_xticks(range(len(chain)), [f"{row['name'].removesuffix('.py')}\n{commit[row['name']]}"
+                                              for row in chain], fontsize=8)
+    speed_axis.set(ylabel="training images/s (epochs 2 on)", ylim=(0, 1.2 * max(shown)))
     speed_axis.set_title("Steady training speed (epochs 2 on), each script at its defaults", fontsize=9)
 
     parts = [("before the first epoch", "before_first_epoch_seconds", "tab:gray"),
-             ("first epoch (compiling)", "first_epoch_seconds", "tab:orange")]
+             ("first epoch (warm-up; compiling where on)", "first_epoch_seconds", "tab:orange")]
     for index, row in enumerate(rows):
         left = 0.0
         for label, field, color in parts:
@@ -170,10 +222,11 @@ def draw_gpu(runs, out, words):
             left += row[field]
         rest = row["launch_to_result_seconds"] - left
         time_axis.barh(index, rest, left=left, color="tab:blue",
-                       label="the other epochs (opt5: compiling at each new size)" if index == 0 else None)
+                       label="the other epochs (opt5: a warm-up at each new size)" if index == 0 else None)
         time_axis.text(row["launch_to_result_seconds"] + 0.5, index, f"{100 * row['test_accuracy']:.2f} %",
                        va="center", fontsize=8)
-    time_axis.set_yticks(range(len(rows)), [row["name"].replace(".py", "") for row in rows], fontsize=8)
+    time_axis.set_yticks(range(len(rows)), [f"{row['name'].removesuffix('.py')} ({commit[row['name']]})"
+                                            for row in rows], fontsize=8)
     time_axis.invert_yaxis()
     time_axis.set(xlabel="seconds from launch to the final test accuracy (5 epochs; opt5's recipe, 20)",
                   xlim=(0, 1.15 * max(row["launch_to_result_seconds"] for row in rows)))
@@ -182,11 +235,12 @@ def draw_gpu(runs, out, words):
     time_axis.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=3)
     for axis in (speed_axis, time_axis):
         axis.grid(alpha=0.3, axis="x" if axis is time_axis else "y")
-    changed = changed_since(next(iter(runs.values()))[0]["commit"], scripts_then(runs))
-    since = "whether the scripts changed since: not known (no git history)" if changed is None else \
-        "each script's code is today's" if not changed else \
-        f"changed since: {', '.join(name.removesuffix('.py') for name in sorted(changed))} " \
-        f"(their current code is not measured on a GPU)"
+    changed = changed_since_their_rows(runs)
+    changed_names = changed and [f"{name.removesuffix('.py')} ({commit})" for commit, names in changed.items()
+                                 for name in names]
+    since = "whether the scripts changed since their rows: not known (no git history)" if changed is None else \
+        "each script's code is its row's" if not changed_names else \
+        f"changed since their rows: {', '.join(changed_names)} (their current code is not measured on a GPU)"
     figure.suptitle(f"fast-cifar: ResNet10 on CIFAR-10 on one GPU: {words}\n{since}", fontsize=10, y=0.995)
     figure.tight_layout()
     Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -837,7 +891,7 @@ def main():
         return
     if args.tables:
         seeds = convergence_runs(read_lines(args.seeds))
-        print(f"{gpu_words(gpu)}:\n\n{benchmark.chain_table(gpu)}\n")
+        print(f"{gpu_words(gpu)}:\n\n{gpu_table(gpu)}\n")
         recipe = read_lines(args.recipe)
         others = curve + seeds + [run for runs_on_one_cpu in muon for run in runs_on_one_cpu]
         curve_lines, ablation_lines = recipe_curve(recipe, others), recipe_ablation(recipe)
@@ -852,7 +906,7 @@ def main():
         import matplotlib  # noqa: F401  (imported here so a missing install is one clear line)
     except ImportError:
         common.fail("plot.py needs matplotlib: pip install matplotlib==3.11.2 (or pip install -r requirements-dev.txt)")
-    draw_gpu(gpu, args.out, gpu_words(gpu))
+    draw_gpu(gpu, args.out, gpu_words(at_defaults(gpu)))
     draw(runs, ladder, muon, args.cpu_out)
     print(f"wrote {args.out} and {args.cpu_out}")
 

@@ -2467,17 +2467,23 @@ def write_plot_fixture(folder):
         return {"script": script, "chain": 2, "data": "cifar10", "device": "cuda", "device_name": "Test GPU",
                 "threads": 16,
                 "cpu": "Test CPU (AMX)", "torch": "2.11.0", "final_test_accuracy": accuracy,
-                "command": f"python {script} {flags} --epochs 3 --data-dir /tmp/c10 --device cuda --json gpu.jsonl",
+                "command": f"python {script} {flags} --epochs 5 --data-dir /tmp/c10 --device cuda --json gpu.jsonl",
                 "steady_images_per_second": steady, "steady_ms_per_step": steady and 6.4e4 / steady,
                 "total_seconds": 20.0, "launch_to_result_seconds": 30.0, "peak_memory_bytes": 2**30,
                 "settings": {"batch_size": 64 if script == "baseline.py" else 128}, "epochs": epochs}
 
-    # Three runs on a GPU, before rows recorded their commit (its folder's name has it), the first run last
+    # Three runs on a GPU, before rows recorded their commit (its folder's name has it), the first run last; then
+    # two at a newer commit, one of them twice (the later row counts), whose opt4 replaces the older one's
     (folder / "gpu-abc1234").mkdir()
     gpu = [gpu_run("opt4.py", "", 40_000.0, 0.85), gpu_run("baseline.py", "", 5_000.0, 0.75),
            gpu_run("opt5.py", "--optimizer adamw", None, 0.84, sizes=(16, 16, 32)),
            {**gpu_run("opt4.py", "", 1.0, 0.1), "data": "synthetic"}]
     (folder / "gpu-abc1234" / "chain.jsonl").write_text("".join(json.dumps(line) + "\n" for line in gpu))
+    (folder / "gpu-def5678").mkdir()
+    newer = [{**gpu_run("opt4.py", "", 64_000.0, 0.86), "date": "2026-11-28T05:00:00", "commit": "def5678"},
+             {**gpu_run("opt3.py", "", 16_000.0, 0.83), "date": "2026-11-28T04:00:00", "commit": "def5678"},
+             {**gpu_run("opt4.py", "", 2.0, 0.2), "date": "2026-11-28T04:30:00", "commit": "def5678"}]
+    (folder / "gpu-def5678" / "chain.jsonl").write_text("".join(json.dumps(line) + "\n" for line in newer))
     recipe = [{**timed_run("opt5.py", "--epochs 3 --batch-size 512 --validation 5000", [16, 16, 32], [5, 10, 30.0],
                            0.9, validation=5000), "training_flops": 2.5e15, "modelled_h200_seconds": 1.234},
               {**timed_run("opt5.py", "--epochs 2", [16, 32], [5, 12.0], 0.85, validation=0),
@@ -2510,7 +2516,8 @@ def write_plot_fixture(folder):
     for name, lines in (("runs", runs), ("ladder", [ladder]), ("convergence", convergence), ("curve", curve),
                         ("seeds", seeds), ("ablation", ablation), ("muon", muon), ("muon-other-cpu", muon_other_cpu)):
         (folder / f"{name}.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    return ["--gpu", folder / "gpu-abc1234" / "chain.jsonl", "--recipe", folder / "recipe.jsonl",
+    return ["--gpu", folder / "gpu-def5678" / "chain.jsonl", folder / "gpu-abc1234" / "chain.jsonl",
+            "--recipe", folder / "recipe.jsonl",
             "--runs", folder / "runs.jsonl",
             "--ladder", folder / "ladder.jsonl",
             "--convergence", folder / "convergence.jsonl", "--curve", folder / "curve.jsonl",
@@ -2579,11 +2586,19 @@ def test_plot_tables_the_recipes_ablation_rows_against_the_mean_of_its_seeds(tab
 
 
 def test_plot_tables_the_gpu_runs_in_the_chains_order_with_their_commit(tables):
-    assert "Test GPU, 16 threads of an Test CPU (AMX), torch 2.11.0, commit abc1234:" in tables
-    assert "| baseline.py | 5,000 | 1.00x | 12.8 (64) | 75.00 | 30.0 | 5.0 | 10.0 | 1.00 |" in tables
-    assert "| opt4.py | 40,000 | 8.00x | 1.6 (128) | 85.00 | 30.0 | 5.0 | 10.0 | 1.00 |" in tables
+    """The newest row of each script: a newer file's (its latest by date) before an older file's, each with its
+    folder's commit, in the chain's order."""
+    assert "Test GPU, 16 threads of an Test CPU (AMX), torch 2.11.0, commits abc1234 (baseline, opt5), " \
+           "def5678 (opt3, opt4):" in tables
+    assert "| baseline.py | 5,000 | 1.00x | 12.8 (64) | 75.00 | 30.0 | 5.0 | 10.0 | 1.00 | abc1234 |" in tables
+    assert "| opt3.py | 16,000 | 3.20x | 4.0 (128) | 83.00 | 30.0 | 5.0 | 10.0 | 1.00 | def5678 |" in tables
+    assert "| opt4.py | 64,000 | 12.80x | 1.0 (128) | 86.00 | 30.0 | 5.0 | 10.0 | 1.00 | def5678 |" in tables
     assert "| opt5.py --optimizer adamw | 50,000 at 16 px | - | 2.6 at 16 px (128) | 84.00 |" in tables
-    assert tables.index("| baseline.py |") < tables.index("| opt4.py |") < tables.index("| opt5.py --optimizer")
+    assert "| opt4.py | 40,000 |" not in tables and "| opt4.py | 2 |" not in tables, \
+        "the older file's opt4 and the newer file's earlier row: left out"
+    assert tables.index("| baseline.py |") < tables.index("| opt3.py |") < tables.index("| opt4.py |") < \
+        tables.index("| opt5.py --optimizer")
+    assert "| peak memory GiB | commit |" in tables
 
 
 def test_plot_draws_and_tables_a_ladder_from_a_cpu_without_a_bfloat16_unit(tmp_path):
@@ -2736,6 +2751,18 @@ def test_plot_reads_older_rows_by_todays_names_and_diffs_a_script_under_its_name
     assert plot_there.changed_since(commit, {"opt4.py": "opt4.py"}) == ["opt4.py"], "the same name then: the recipe"
     assert plot_there.changed_since("0000000", {"opt4.py": "opt3.py"}) is None
 
+    # Runs from two commits: each script against its own run's commit
+    subprocess.run([*git, "add", "opt4.py", "opt5.py"], cwd=tmp_path, check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "today's numbering"], cwd=tmp_path, check=True)
+    newer = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, capture_output=True,
+                           text=True, check=True).stdout.strip()
+    (tmp_path / "opt5.py").write_text("step = 'recipe, changed'\n")
+    runs = {"opt4.py": [{"script": "opt4.py", "ran_as": "opt3.py", "commit": commit}],
+            "opt5.py": [{"script": "opt5.py", "ran_as": "opt5.py", "commit": newer}]}
+    assert plot_there.changed_since_their_rows(runs) == {commit: [], newer: ["opt5.py"]}
+    assert plot_there.changed_since_their_rows({**runs, "opt4.py": [{**runs["opt4.py"][0], "commit": "0000000"}]}) \
+        is None
+
 
 # -------------------------------------------------------------- the front page against the data
 
@@ -2753,10 +2780,12 @@ def readme_chain_table():
 
 def test_readme_chain_table_is_the_gpus_rows_and_says_whose_code_changed_since():
     readme, table = (ROOT / "README.md").read_text(), readme_chain_table()
-    gpu = plot.gpu_runs([ROOT / path for path in plot.GPU_RUNS])
+    gpu = plot.at_defaults(plot.gpu_runs([ROOT / path for path in plot.GPU_RUNS]))
     rows = {row["name"]: row for row in benchmark.chain_rows(gpu)}
-    commit, baseline = gpu["opt4.py"][0]["commit"], rows["baseline.py"]["images_per_second"]["all"]
-    assert f"| H200, {commit}: images/s |" in readme and f"ran the chain at commit {commit}" in " ".join(readme.split())
+    commit, baseline = {name: runs[0]["commit"] for name, runs in gpu.items()}, \
+        rows["baseline.py"]["images_per_second"]["all"]
+    where_from = readme[readme.index("**Where the numbers come from:**"):readme.index("## Set up")]
+    assert "| H200 images/s |" in readme and all(row_commit in where_from for row_commit in plot.commits(gpu))
     assert list(table) == list(ALL_SCRIPTS)
     for script, row in rows.items():
         speed, speedup, accuracy, launch_to_result = table[script][2:6]
@@ -2765,24 +2794,33 @@ def test_readme_chain_table_is_the_gpus_rows_and_says_whose_code_changed_since()
                            else "-"), script
         assert (accuracy, launch_to_result) == (f"{100 * row['test_accuracy']:.2f}",
                                                 f"{row['launch_to_result_seconds']:.1f}"), script
+        assert table[script][-1].startswith(f"{commit[script]}; "), script
     assert f"(the H200's rows add up to {sum(row['launch_to_result_seconds'] for row in rows.values()) / 60:.1f} " \
            "minutes)" in readme
-    # What each optimization bought on the GPU, in "What to copy first"
+    # What each optimization bought on the GPU, in "What to copy first" and the prose
     speed = {script: row["images_per_second"].get("all") for script, row in rows.items()}
     accuracy = {script: 100 * row["test_accuracy"] for script, row in rows.items()}
     launch_to_result = {script: row["launch_to_result_seconds"] for script, row in rows.items()}
+    steps = {script: row["ms_per_step"].get("all") for script, row in rows.items()}
     for bought in (f"H200: with compile {speed['opt1.py'] / speed['baseline.py']:.2f}x",
                    f"{accuracy['opt1.py']:.2f} % -> {accuracy['opt2.py']:.2f} % after 5 epochs (H200)",
-                   f"{speed['opt4.py'] / speed['opt2.py']:.1f}x opt2's images/s (H200, at {commit})",
+                   f"H200, at {commit['opt4.py']}: {speed['opt3.py'] / speed['opt2.py']:.1f}x opt2's images/s alone "
+                   f"(opt3), {speed['opt4.py'] / speed['opt2.py']:.1f}x with the next row",
                    f"+{accuracy['opt5.py'] - accuracy['opt4.py']:.1f} points for "
                    f"{100 * (launch_to_result['opt5.py'] / launch_to_result['opt4.py'] - 1):.0f} % more time than opt4",
-                   f"{rows['opt4.py']['ms_per_step']['all']:.1f} ms a step at batch 128"):
-        assert bought in readme, bought
-    changed = plot.changed_since(commit, plot.scripts_then(gpu))
+                   f"{steps['opt4.py']:.2f} ms a step at batch 128, opt3's loop {steps['opt3.py']:.2f} "
+                   f"({steps['opt3.py'] / steps['opt4.py']:.1f}x)",
+                   f"**{steps['opt4.py']:.2f} ms, {steps['opt3.py'] / steps['opt4.py']:.1f}x faster**",
+                   f"{accuracy['opt5.py']:.2f} % on the H200 in {launch_to_result['opt5.py']:.1f} s from launch, "
+                   f"{launch_to_result['opt5.py'] / launch_to_result['opt4.py']:.1f}x opt4's "
+                   f"{launch_to_result['opt4.py']:.1f} s"):
+        assert bought in " ".join(readme.split()), bought
+    changed = plot.changed_since_their_rows(gpu)
     if changed is None:
-        pytest.skip(f"no git history here to tell which scripts changed since commit {commit}")
+        pytest.skip("no git history here to tell which scripts changed since their rows' commits")
+    changed = {script for scripts in changed.values() for script in scripts}
     for script, cells in table.items():  # a script changed since its row, or without one, says so
-        assert cells[-1].startswith("unchanged") == (script in rows and script not in changed), script
+        assert ("; unchanged" in cells[-1]) == (script in rows and script not in changed), script
         assert ("not measured on a GPU" in cells[-1]) == (script in changed or script not in rows), script
 
 
@@ -2831,10 +2869,10 @@ def test_readme_cpu_figures_are_the_measured_data():
 
 def test_results_page_tables_are_plots_from_the_data():
     results_page = (ROOT / "results/README.md").read_text()
-    gpu_tables = []  # the chain on the H200 now, and before the whole step
-    for paths in (plot.GPU_RUNS, plot.GPU_RUNS_BEFORE):
+    gpu_tables = []  # each script's newest rows on the H200, the chain at 38c59a9, and before the whole step
+    for paths in (plot.GPU_RUNS, plot.GPU_RUNS[1:], plot.GPU_RUNS_BEFORE):
         gpu = plot.gpu_runs([ROOT / path for path in paths])
-        gpu_tables += [f"{plot.gpu_words(gpu)}:", *benchmark.chain_table(gpu).splitlines()]
+        gpu_tables += [f"{plot.gpu_words(gpu)}:", *plot.gpu_table(gpu).splitlines()]
     for line in [*gpu_tables, *plot.recipe_table(json_lines("recipe.jsonl")),
                  *plot.recipe_summary(json_lines("recipe.jsonl")), *plot.screen_table(json_lines("screen.jsonl"))]:
         assert line in results_page, line
