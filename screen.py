@@ -20,7 +20,9 @@ The stages. Stage 1 scores on 5,000 held-out training images (--validation 5000)
 twice (seeds 0 and 1; "the recipe" below is the mean of these two), each time row once, each bundle once. Stage 2 runs
 on the test set: the best two bundles of stage 1 at seeds 0-4 each (the issue's "4 more seeds": stage 1's seed 0 was
 scored on held-out images, and adoption needs 5 test-set seeds, so seed 0 runs again on the test set: 10 runs, ~26 in
-all). A row's stage is in its own settings: validation > 0 is stage 1, 0 (the test set) stage 2.
+all). Stage 2 runs the best finalist's seeds first: where the deadline cuts it, the second finalist's go. A row's stage
+is in its own settings: validation > 0 is stage 1, 0 (the test set) stage 2. Where a row, seed and stage ran more than
+once, the last run counts.
 
 The rules (each a function below; the thresholds are the constants under RULES):
 1. A time row (TIME_ROWS: changes meant to cut seconds, not work) is kept where its first-epoch excess falls by
@@ -44,8 +46,10 @@ not know go to every run (opt5's: --device, --data-dir, ...). Before each run it
 to --deadline (seconds since screen.py started, default 480: a 10-minute call with room to spare), by the longest
 run so far (20 s before the first); when not, it stops and names what it skipped, and a run still going at the
 deadline is stopped. It prints a line before each run, the runs' own output, then the phases of every row and one
-line per decision: kept, dropped or not decided, with the figures behind it. Bring OUT back; `python screen.py decide
-OUT` prints the same decisions again (with --recipe-mean or --recipe-changed if the recipe moved on).
+line per decision: kept, dropped or not decided, with the figures behind it (from this call's rows: OUT may hold
+earlier ones). A run that fails is named and the screen goes on without it, then exits 1. Bring OUT back; `python
+screen.py decide OUT` prints the decisions from all its rows (with --recipe-mean or --recipe-changed if the recipe moved
+on, --time-rows and --bundles if the run named other rows).
 """
 import argparse
 import json
@@ -310,11 +314,10 @@ def other_rows_line(rows, time_rows, bundles):
 
 
 def print_decisions(rows, args):
-    """Print the phases and every decision for `rows`; returns the bundles that go to stage 2."""
-    lines, finalists = decisions(rows, args.time_rows, args.bundles, args.recipe_mean, args.recipe_changed)
+    """Print the phases and every decision for `rows`."""
+    lines, _ = decisions(rows, args.time_rows, args.bundles, args.recipe_mean, args.recipe_changed)
     others = other_rows_line(rows, args.time_rows, args.bundles)
     print("\n".join([*lines, *([others] if others else [])]), flush=True)
-    return finalists
 
 
 # ----------------------------------------------------------------------------------- the runs
@@ -349,14 +352,17 @@ def run_command(name, seed, validation, args, opt5_flags):
 
 def run_one(command, seconds_left):
     """Run `command` in a process group of its own, stopped (the group: ablation.py's row process too) once
-    `seconds_left` have passed; returns its exit code, or None where the deadline stopped it."""
-    process = subprocess.Popen(command, cwd=ROOT, start_new_session=True)
+    `seconds_left` have passed or where this process is interrupted; returns its exit code, or None where the deadline
+    stopped it. It runs in this process's folder, so relative paths in the flags mean what they mean here."""
+    process = subprocess.Popen(command, start_new_session=True)  # a group of its own: stopped whole, row included
     try:
         return process.wait(timeout=max(seconds_left, 0))
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
         return None
+    finally:
+        if process.poll() is None:  # the deadline, or Ctrl-C (which a new session's processes do not get)
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
 
 
 def run_stage(runs, args, opt5_flags, longest):
@@ -395,7 +401,9 @@ def screen(args, opt5_flags):
           f"{FINALISTS} bundles at seeds {', '.join(map(str, args.test_seeds))} on the test set; deadline "
           f"{args.deadline:.0f} s; rows to {args.json}", flush=True)
     longest, stopped, failed = run_stage(first, args, opt5_flags, None)
-    if not stopped:
+    if stopped:
+        print("screen: stage 2 not run: the deadline cut stage 1", flush=True)
+    else:
         print("\n== screen: stage 1 decided", flush=True)
         _, finalists = decisions(read_rows(args.json, after=lines_before), args.time_rows, args.bundles)
         second = stage_two(args, finalists)

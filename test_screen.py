@@ -316,17 +316,28 @@ def test_a_run_past_the_deadline_is_stopped_with_the_process_it_started():
     assert not [pid for pid in survivors if int(pid) != os.getpid()], "the row's own process is stopped too"
 
 
-def test_run_end_to_end_on_the_cpu_with_ablation_py(tmp_path):
-    """The real ablation.py, twice (the recipe's two held-out runs), no time rows or bundles: ~20 s on 2 cores."""
+def test_run_end_to_end_on_the_cpu_with_ablation_py(tmp_path, monkeypatch, capfd):
+    """The real ablation.py, once (on a loaded 2-core CPU a run costs ~20 s): the recipe at one seed, then the
+    deadline skips the time row, and the rules say why they cannot decide. The stand-in above runs the rest."""
+    monkeypatch.setattr(screen, "RECIPE_SEEDS", [0])
+    clock, run_one = [0.0], screen.run_one
+
+    def run_as_if_for_200_seconds(command, seconds_left):
+        code = run_one(command, seconds_left)
+        clock[0] += 200
+        return code
+    monkeypatch.setattr(harness, "seconds_since_launch", lambda: clock[0])  # not pytest's age
+    monkeypatch.setattr(screen, "run_one", run_as_if_for_200_seconds)
     out = tmp_path / "screen.jsonl"
-    result = subprocess.run([sys.executable, "screen.py", "run", "--json", out, "--time-rows", "--bundles",
-                             "--validation", "16", *TINY], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
+    code, output, errors = run_screen_here(monkeypatch, capfd, "run", "--json", out, "--time-rows", "full-eval",
+                                           "--bundles", "--validation", 16, "--deadline", 300, *TINY)
+    assert code == 0, errors
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [(row["row"], row["settings"]["seed"], row["settings"]["validation"]) for row in rows] == \
-        [("shipped", 0, 16), ("shipped", 1, 16)]
+    assert [(row["row"], row["settings"]["seed"], row["settings"]["validation"]) for row in rows] == [
+        ("shipped", 0, 16)]
     assert rows[0]["command"].startswith("python ablation.py --rows shipped --seed 0 --validation 16")
     phases = screen.phases(rows[0])
     assert phases["steady"] > 0 and phases["sizes_without_steady"] == []
-    assert "screen: stage 2: no bundle passed: 0 runs" in result.stdout
-    assert result.stdout.splitlines()[-1].startswith("shipped, 2 held-out runs (seeds 0, 1): before the first step")
+    assert "screen: deadline: 100 s left of 300, a run takes up to 200 s: skipped full-eval seed 0" in output
+    assert output.splitlines()[-2].startswith("shipped, 1 held-out run (seeds 0): before the first step")
+    assert output.splitlines()[-1] == "time row full-eval: not decided: its held-out runs: 0 runs, the rule needs 1"
