@@ -1,4 +1,7 @@
-"""Tests for screen.py: its phases and rules on made-up rows, its commands on the CPU. `python -m pytest test_screen.py`"""
+"""Tests for screen.py: its phases and rules on made-up rows, its commands on the CPU.
+
+    python -m pytest -q test_screen.py
+"""
 import json
 import os
 import subprocess
@@ -41,7 +44,8 @@ def test_phases_cut_a_run_into_setup_first_epoch_excess_steady_steps_and_the_res
     epochs = [(16, 2.0, 10), (16, 1.0, 10), (16, 1.1, 10), (16, 1.6, 10),  # the steady median 1.1 s (mean 1.23)
               (32, 4.0, 5), (32, 2.0, 5)]
     row = {"setup_seconds": 3.0, "launch_to_result_seconds": 20.0, "final_test_accuracy": 0.9012,
-           "epochs": [{"image_size": size, "train_seconds": seconds, "steps": steps} for size, seconds, steps in epochs]}
+           "epochs": [{"image_size": size, "train_seconds": seconds, "steps": steps}
+                      for size, seconds, steps in epochs]}
     phases = screen.phases(row)
     assert phases["excess_by_size"] == pytest.approx({16: 2.0 - 1.1, 32: 4.0 - 2.0})
     assert phases["first_epoch_excess"] == pytest.approx(2.9)
@@ -176,6 +180,13 @@ def run_screen_here(monkeypatch, capfd, *args):
     return code, output.out, output.err
 
 
+def test_no_function_takes_more_than_six_parameters():
+    functions = [value for value in vars(screen).values()
+                 if callable(value) and getattr(value, "__module__", None) == "screen"]
+    assert {function.__name__: function.__code__.co_argcount for function in functions
+            if function.__code__.co_argcount > 6} == {}
+
+
 def test_decide_prints_the_phases_and_a_line_per_decision(tmp_path, monkeypatch, capfd):
     rows = [*recipe_rows(), made_up_row("one-warmup-step", accuracy=90.5, excess=2.0),
             made_up_row("bundle-1", accuracy=90.2), made_up_row("zero-init")]
@@ -198,7 +209,8 @@ def test_decide_prints_the_phases_and_a_line_per_decision(tmp_path, monkeypatch,
     (["decide", "{tmp}/missing.jsonl"], "cannot read"),
     (["decide", "{tmp}/bad.jsonl"], "line 2 of"),
     (["run", "--json", "{tmp}/out.jsonl", "--bundles", "no-such-row"], "ablation.py has no row"),
-    (["run", "--json", "{tmp}/out.jsonl", "--time-rows", "--bundles", "zero-init", "--seed", "1"], "--seed: the screen"),
+    (["run", "--json", "{tmp}/out.jsonl", "--time-rows", "--bundles", "zero-init", "--seed", "1"],
+     "--seed: the screen"),
     (["run", "--json", "{tmp}/out.jsonl", "--time-rows", "--bundles", "--epochs", "0"], "--epochs: must be a positive"),
 ])
 def test_bad_input_ends_with_one_error_line_and_exit_code_2(args, says, tmp_path, monkeypatch, capfd):
