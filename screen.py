@@ -18,7 +18,7 @@ The phases add up to launch to result. A size with a single epoch has no steady 
 
 The stages. Stage 1 scores on 5,000 held-out training images (--validation 5000), seed 0: the recipe (row `shipped`)
 twice (seeds 0 and 1; "the recipe" below is the mean of these two), each time row once, each bundle once. Stage 2 runs
-on the test set: the best two bundles of stage 1 at seeds 0-4 each (the issue's "4 more seeds": stage 1's seed 0 was
+on the test set: the best two bundles of stage 1 at seeds 0-4 each (stage 1's seed 0 was
 scored on held-out images, and adoption needs 5 test-set seeds, so seed 0 runs again on the test set: 10 runs, ~26 in
 all). Stage 2 runs the best finalist's seeds first: where the deadline cuts it, the second finalist's go. A row's stage
 is in its own settings: validation > 0 is stage 1, 0 (the test set) stage 2. Where a row, seed and stage ran more than
@@ -40,8 +40,8 @@ A rule with too few runs (the recipe's 2 held-out runs, a row's run, a bundle's 
 and why, rather than guess.
 
 On a GPU, in one call: `python screen.py run --device cuda --data-dir ./data --json results/screen-gpu.jsonl`. Each
-run is one `ablation.py --rows NAME --seed S [--validation 5000] --json OUT` process (ablation.py runs the row in a
-fresh process of its own), most valuable first, and each appends ablation.py's own line to OUT; flags screen.py does
+run is one `ablation.py --row NAME --seed S [--validation 5000] --json OUT` process (the row in that process: one
+start of Python and torch a run), most valuable first, and each appends ablation.py's own line to OUT; flags screen.py does
 not know go to every run (opt5's: --device, --data-dir, ...). Before each run it checks the run fits in the time left
 to --deadline (seconds since screen.py started, default 480: a 10-minute call with room to spare), by the longest
 run so far (20 s before the first); when not, it stops and names what it skipped, and a run still going at the
@@ -69,19 +69,18 @@ import opt5
 ROOT = Path(__file__).resolve().parent
 ABLATION = ROOT / "ablation.py"
 
-# The rows. ablation.py's own lists win where it defines them; these are the names the issue gives
+# The rows: ablation.py's
 RECIPE_ROW = "shipped"
-TIME_ROWS = getattr(ablation, "TIME_ROWS", ["cudnn-benchmark-off", "cudnn-benchmark-largest-size", "one-warmup-step",
-                                            "muon-other-form"])
-BUNDLE_ROWS = getattr(ablation, "BUNDLE_ROWS", [f"bundle-{number}" for number in range(1, 11)])
+TIME_ROWS, BUNDLE_ROWS = ablation.TIME_ROWS, ablation.BUNDLE_ROWS
 RECIPE_SEEDS = [0, 1]  # stage 1: the recipe twice, so the rules compare with a mean, not one draw
 ROW_SEED = 0  # stage 1: every other row once
 TEST_SEEDS = [0, 1, 2, 3, 4]  # stage 2: each finalist on the test set
 VALIDATION = 5000  # stage 1's held-out training images
 DEADLINE_SECONDS = 480
 FIRST_RUN_ESTIMATE_SECONDS = 20  # a recipe run from launch on an H200 is ~15 s
-# The recipe's mean test-set accuracy on an H200, five seeds at 4faed98 (the issue "One device call screens the
-# recipe's next seconds"); valid while opt5's training is unchanged since, else --recipe-changed
+# The recipe's mean test-set accuracy on an H200, five runs at 4faed98 (90.44, 90.26, 90.26, 90.37, 90.60: the first
+# three in results/h200-4faed98/chain.jsonl, the other two printed there, results/README.md); valid while opt5's
+# training is unchanged since, else --recipe-changed
 RECIPE_TEST_MEAN = 90.39
 
 # RULES (see the docstring)
@@ -344,9 +343,10 @@ def stage_two(args, finalists):
 
 
 def run_command(name, seed, validation, args, opt5_flags):
-    """The one ablation.py process of a run."""
+    """The one ablation.py process of a run: the row in that process (--row), not in a child of it, so a run starts
+    Python and imports torch once."""
     held_out = ["--validation", str(validation)] if validation else []
-    return [sys.executable, str(ABLATION), "--rows", name, "--seed", str(seed), *held_out, "--json", args.json,
+    return [sys.executable, str(ABLATION), "--row", name, "--seed", str(seed), *held_out, "--json", args.json,
             *opt5_flags]
 
 

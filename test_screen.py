@@ -229,7 +229,7 @@ flags = sys.argv[1:]
 def value(flag, default=None):
     return flags[flags.index(flag) + 1] if flag in flags else default
 made_up = json.load(open(sys.argv[0] + ".json"))
-key = f"{value('--rows')} {value('--seed')} {value('--validation', '0')}"
+key = f"{value('--row')} {value('--seed')} {value('--validation', '0')}"
 time.sleep(made_up["sleep"].get(key, 0))
 with open(value("--json"), "a") as file:
     file.write(json.dumps({**made_up["lines"][key], "flags": flags}) + "\\n")
@@ -269,7 +269,7 @@ def test_run_screens_stage_one_then_the_best_two_bundles_on_the_test_set_and_dec
         ("shipped", 0, 5000), ("shipped", 1, 5000), ("full-eval", 0, 5000), ("zero-init", 0, 5000),
         ("smoothing-0", 0, 5000), ("ema", 0, 5000), *[("zero-init", seed, 0) for seed in range(5)],
         *[("ema", seed, 0) for seed in range(5)]]
-    assert rows[0]["flags"] == ["--rows", "shipped", "--seed", "0", "--validation", "5000", "--json", str(out),
+    assert rows[0]["flags"] == ["--row", "shipped", "--seed", "0", "--validation", "5000", "--json", str(out),
                                 "--device", "cpu", "--synthetic"], "opt5's flags go to every run"
     assert "--validation" not in rows[-1]["flags"], "stage 2: the test set"
     decided = output[output.index("== screen: the decisions"):].splitlines()
