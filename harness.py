@@ -29,6 +29,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.flop_counter import FlopCounterMode
@@ -152,10 +153,10 @@ def pick_device(args):
 
     Each verdict is one line, before any data is loaded: a torch older than the floor ends the run (exit 2); auto
     falls back to the CPU and says why (no GPU, a CPU-only torch, a driver too old for this torch's CUDA) and what to
-    do; a GPU this torch has no kernels for ends the run; under torchrun, the process's own GPU (LOCAL_RANK) becomes
-    its current one before any CUDA work; a script that compiles (--compile) checks that inductor has what it
-    needs and, where it has not, says why and runs eager (args.compile becomes False, so the report says so). Under
-    torchrun only rank 0 prints the verdicts that do not end the run.
+    do; a GPU this torch has no kernels for ends the run; under torchrun, the device is the process's own GPU
+    (LOCAL_RANK), and a machine without it ends the run; a script that compiles (--compile) checks that inductor has
+    what it needs and, where it has not, says why and runs eager (args.compile becomes False, so the report says
+    so). Under torchrun only rank 0 prints the verdicts that do not end the run.
     """
     check_torch_version()
     name = args.device
@@ -200,20 +201,13 @@ def check_torch_version():
 
 
 def own_gpu():
-    """Under torchrun, GPU LOCAL_RANK, made this process's current GPU; exit 2 where there is no such GPU.
-
-    Set before any CUDA work: otherwise any that names no GPU ("cuda", a stream, a generator) opens a CUDA context on
-    GPU 0 in every process, and where GPUs are exclusive to one process (EXCLUSIVE_PROCESS, common on clusters) all
-    but one fail.
-    """
+    """Under torchrun, GPU LOCAL_RANK, this process's own (opt6 makes it current); exit 2 where there is no such GPU."""
     local_rank, gpus = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
     if local_rank >= gpus:  # Slurm or MIG often shows each task one GPU
         fail(f"LOCAL_RANK is {local_rank}, but this process sees {gpus} GPU(s): start at most {gpus} per machine "
              f"(--nproc_per_node={gpus}), or let every process see every GPU of its machine (Slurm: one torchrun per "
              f"node, not one per GPU)")
-    device = torch.device("cuda", local_rank)
-    torch.cuda.set_device(device)
-    return device
+    return torch.device("cuda", local_rank)
 
 
 def why_no_cuda():
@@ -325,11 +319,52 @@ def compile_failure(error):
     return f"{type(causes[-1]).__name__}: {first_line}"
 
 
-def no_buffer_broadcast():
-    """DDP's keyword argument that turns off its broadcast of rank 0's buffers before every forward, as this torch
-    names it: forward_sync_buffers from torch 2.13, broadcast_buffers before (deprecated since, with a warning)."""
+# ------------------------------------------------------- torchrun: the job around opt6's processes
+
+def started_by_torchrun():
+    """Whether torchrun started this process; exit 2 when only some of the variables it sets are there."""
+    ranks = [name for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE") if name in os.environ]
+    missing = [name for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+               if name not in os.environ]
+    if ranks and missing:
+        fail(f"{', '.join(ranks)} set but not {', '.join(missing)}: start {Path(sys.argv[0]).name} with torchrun, "
+             f"which sets them all (srun does not), or unset {', '.join(ranks)} to run one process")
+    return bool(ranks)
+
+
+def point_to_torchrun(device, world_size):
+    """Say how to start torchrun where one process (world_size 1) on `device` leaves GPUs of this machine idle."""
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    if world_size == 1 and gpus > 1:
+        print(f"{gpus} GPUs here, and one process uses one: to use them all, start "
+              f"torchrun --standalone --nproc_per_node={gpus} {Path(sys.argv[0]).name} ...")
+
+
+@contextlib.contextmanager
+def rank_zero_first(world_size):
+    """Runs the body on rank 0, then on the first process of every other machine, then on the rest: one download
+    per machine, and never two at once into a folder that machines share (NFS, Lustre), which would corrupt it."""
+    if world_size == 1:
+        yield
+        return
+    turn = 0 if dist.get_rank() == 0 else 1 if int(os.environ["LOCAL_RANK"]) == 0 else 2
+    for this_turn in range(3):
+        if this_turn == turn:
+            yield
+        dist.barrier()  # the next turn starts once this one's processes have the data
+
+
+def broadcast_buffers_keyword():
+    """The name of DDP's keyword that turns its broadcast of rank 0's buffers before every forward on or off."""
     parameters = inspect.signature(DistributedDataParallel).parameters
-    return {"forward_sync_buffers" if "forward_sync_buffers" in parameters else "broadcast_buffers": False}
+    return "forward_sync_buffers" if "forward_sync_buffers" in parameters else "broadcast_buffers"
+
+
+def leave_process_group():
+    """Wait for every rank, then destroy the process group while still holding the barrier's handle (Gloo needs it)."""
+    barrier = dist.barrier(async_op=True)
+    barrier.wait()
+    dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------- timing and reporting

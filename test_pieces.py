@@ -6,6 +6,7 @@ module that imports only the standard library, torch, torch.nn, torch.nn.functio
 on a small model on the CPU. A row of settings, not code, says "settings" and is exempt.
 """
 import ast
+import os
 import re
 import socket
 import sys
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
 
 ROOT = Path(__file__).resolve().parent
 # All a copied piece may lean on besides the standard library: torch's modules a training script imports anyway
@@ -170,20 +172,41 @@ def muon(module):
     assert singular_values.min() > 0.6 and singular_values.max() < 1.3
 
 
-EXERCISES = {"load_to_device": the_dataset_on_the_device, "train_step": the_captured_step_run_uncaptured,
-             "image_sizes": progressive_resizing, "Muon": muon}
-
-
-def data_parallelism(module, names):
-    """In a one-process gloo group: whatever of opt6's pieces the table names, called as opt6 calls them."""
+def data_parallelism(module):
+    """In a one-process gloo group started as torchrun starts it: the group, a DDP step, the statistics averaged; and
+    two ranks' shares of an epoch, drawn apart: disjoint, together the global batches."""
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    torchrun = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    saved = {name: os.environ.get(name) for name in torchrun}
+    os.environ.update(torchrun)
     try:
-        return [getattr(module, name) for name in names]
+        rank, world_size, device = module.setup_distributed(CPU)
+        assert (rank, world_size, device) == (0, 1, CPU) and torch.distributed.get_backend() == "gloo"
+        model = DistributedDataParallel(small_cnn(), gradient_as_bucket_view=True)
+        nn.functional.cross_entropy(model(torch.rand(8, 3, 16, 16)), torch.arange(8) % 4).backward()
+        assert all(parameter.grad is not None for parameter in model.parameters())
+        statistics = [buffer.clone() for buffer in model.buffers()]
+        module.average_batchnorm_statistics(model, world_size)  # one rank: its own statistics
+        assert all(torch.equal(before, after) for before, after in zip(statistics, model.buffers()))
     finally:
-        torch.distributed.destroy_process_group()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        for name, value in saved.items():
+            os.environ.pop(name) if value is None else os.environ.update({name: value})
+    shares = []
+    for rank in (0, 1):
+        run = SimpleNamespace(args=SimpleNamespace(batch_size=8, accum_steps=1), device=CPU, crop_padding=4,
+                              generator=torch.Generator().manual_seed(0), rank=rank, world_size=2)
+        batches, offsets, flips = module.draw_epoch(run, 64)
+        assert batches.shape == (4, 8) and offsets.shape == (4, 2, 8, 1) and flips.shape == (4, 8, 1)
+        shares.append(batches)
+    assert torch.equal(torch.cat(shares, 1).flatten().sort().values, torch.arange(64))  # disjoint, all 64 images
+
+
+EXERCISES = {"load_to_device": the_dataset_on_the_device, "train_step": the_captured_step_run_uncaptured,
+             "image_sizes": progressive_resizing, "Muon": muon, "setup_distributed": data_parallelism}
 
 
 def rows_of_code():
@@ -202,8 +225,5 @@ def test_the_copy_table_names_code_in_most_rows_and_settings_in_the_rest():
 def test_a_row_of_the_copy_table_copies_alone_and_works(optimization, script, names):
     module = load_piece(script, names)
     exercise = next((EXERCISES[name] for name in names if name in EXERCISES), None)
-    assert exercise is not None or script == "opt6.py", f"{optimization}: no exercise for {names}"
-    if exercise is not None:
-        exercise(module)
-    else:
-        data_parallelism(module, names)
+    assert exercise is not None, f"{optimization}: no exercise for {names}"
+    exercise(module)
