@@ -218,7 +218,10 @@ def batched_muon(patch):
             if not filters:  # foreach ops refuse an empty list
                 continue
             lr, momentum = group["lr"], group["momentum"]
-            momenta = [self.state[filter_].setdefault("momentum", torch.zeros_like(filter_)) for filter_ in filters]
+            for filter_ in filters:  # made at the first step only: setdefault's zeros would run (in the graph) at each
+                if "momentum" not in self.state[filter_]:
+                    self.state[filter_]["momentum"] = torch.zeros_like(filter_)
+            momenta = [self.state[filter_]["momentum"] for filter_ in filters]
             grads = [filter_.grad for filter_ in filters]
             torch._foreach_mul_(filters, 1 - lr * group["weight_decay"])
             torch._foreach_lerp_(momenta, grads, 1 - momentum)

@@ -719,7 +719,7 @@ def step_costs(runs):
     steps = ns_steps(next(run for run in runs if variant(run) == "opt5.py muon"))
     return [f"- ms per step with AdamW and with Muon, batch {batch}: {measured}.",
             f"- Muon's update with {steps} Newton-Schulz steps: {muon_update_flops(steps) / 1e9:.1f} GFLOP per step "
-            f"(its matmuls as today's opt5 batches them, counted by torch), against the training step's {flops} GFLOP (forward and backward, "
+            f"(its matmuls, one filter at a time as today's opt5 takes them, counted by torch), against the training step's {flops} GFLOP (forward and backward, "
             f"batch {batch})."]
 
 

@@ -78,35 +78,46 @@ def call(function, **available):
     """Call a script's function with the arguments its signature names (they differ along the chain).
 
     `run`, the object main() gathers what the functions need in, is made of everything `available`, with
-    `batch_size` and `accum_steps` as its settings (run.args); opt6 runs as one process unless told otherwise.
+    `batch_size` and `accum_steps` as its settings (run.args); opt6 runs as one process unless told otherwise. From
+    opt5 on the run holds a list of optimizers (run.optimizers): `optimizer` may be one optimizer or that list.
     """
     args = SimpleNamespace(batch_size=available.get("batch_size"), accum_steps=available.get("accum_steps"))
-    available["run"] = SimpleNamespace(args=args, **{"rank": 0, "world_size": 1, **available})
     module = sys.modules[function.__module__]
+    if takes_optimizers(module) and "optimizer" in available:
+        optimizer = available.pop("optimizer")
+        available.setdefault("optimizers", optimizer if isinstance(optimizer, list) else [optimizer])
+    available["run"] = SimpleNamespace(args=args, **{"rank": 0, "world_size": 1, "crop_padding": common.CROP_PADDING,
+                                                     **available})
     if hasattr(module, "channel_statistics") and "statistics" not in available:
         available["run"].statistics = module.channel_statistics(available.get("device", CPU))
-    if "size" in inspect.signature(function).parameters:  # opt5 on: a batch per image size
-        available["run"].batch_sizes = collections.defaultdict(lambda: args.batch_size)
     if hasattr(module, "train_step") and "train_data" in available:
         assemble_the_step(module, available["run"], epochs=available.get("epoch", 1))
     names = inspect.signature(function).parameters
     return function(**{name: available[name] for name in names})
 
 
+def takes_optimizers(module):
+    """Whether `module`'s run holds a list of optimizers, run.optimizers (opt5 on: Muon's and AdamW's), not one."""
+    return "optimizers" in inspect.signature(getattr(module, "capture_problem", lambda optimizer: None)).parameters
+
+
+def optimizers_of(run):
+    """The optimizers a run steps: run.optimizers (opt5 on), or run.optimizer alone."""
+    return getattr(run, "optimizers", None) or [run.optimizer]
+
+
 def assemble_the_step(module, run, epochs):
     """What main() adds to `run` for opt4's whole step (opt4 onwards), uncaptured: the plan's buffers for
-    run.train_data, a constant schedule (the optimizer's rate) for `epochs` epochs, and the step."""
+    run.train_data, a constant schedule (the last optimizer's rate) for `epochs` epochs, and the step (opt5 on: one
+    for each image size, all of them over the one plan)."""
     run.criterion = getattr(run, "criterion", None) or nn.CrossEntropyLoss()
     steps = len(run.train_data[1]) // (run.args.batch_size * run.world_size) // run.args.accum_steps
-    rate = run.optimizer.param_groups[0]["lr"]  # a tensor from opt4 on: read without a host read
+    rate = optimizers_of(run)[-1].param_groups[0]["lr"]  # a tensor from opt4 on: read without a host read
     run.schedule = rate.repeat(steps * epochs)
-    if "size" in inspect.signature(module.train_step).parameters:  # opt5 onwards: a step and a plan per image size
-        sizes = (8, 16, 24, 32)
-        run.plans = {size: module.empty_plan(steps, run.args.batch_size, run.args, run.device) for size in sizes}
-        run.plan, run.schedule = run.plans[32], run.schedule.split(steps)
-        run.train_steps = {size: functools.partial(module.train_step, run, size) for size in sizes}
+    run.plan = module.empty_plan(steps, run.args, run.device)
+    if "size" in inspect.signature(module.train_step).parameters:  # opt5 onwards: a step per image size
+        run.train_steps = {size: functools.partial(module.train_step, run, size) for size in (8, 16, 24, 32)}
     else:
-        run.plan = module.empty_plan(steps, run.args, run.device)
         run.train_step = functools.partial(module.train_step, run)
 
 
@@ -312,6 +323,7 @@ torch.cuda.device_count = lambda: {count}
 torch.cuda.get_device_capability = lambda index=None: ({capability} // 10, {capability} % 10)
 torch.cuda.get_device_name = lambda index=None: {name!r}
 torch.cuda.get_arch_list = lambda: ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]
+torch.cuda.is_bf16_supported = lambda including_emulation=True: including_emulation or {capability} >= 80
 """
 NO_DATA = ["--data-dir", "no-such-folder", "--epochs", "1", "--train-size", "64", "--test-size", "64",
            "--batch-size", "32"]
@@ -529,7 +541,7 @@ def test_a_non_finite_loss_stops_the_run_naming_epoch_and_step(script, capsys):
     images, labels = torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8), torch.zeros(8, dtype=torch.long)
     loader = DataLoader(TensorDataset(images.float(), labels), batch_size=4)
     optimizer = shipped_optimizer(script, model)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    scheduler = constant_schedule(optimizer)
     with pytest.raises(SystemExit) as exit_info:
         call(ALL_SCRIPTS[script].train_one_epoch, model=model, loader=loader, train_data=(images, labels),
              criterion=nn.CrossEntropyLoss(), optimizer=optimizer, scheduler=scheduler,
@@ -795,8 +807,9 @@ def test_resnet10_shape_and_flop_count():
 
 def test_each_epochs_work_is_counted_at_its_size_and_batch_and_modelled_on_an_h200():
     update = plot.muon_update_flops(3)
-    # Newton-Schulz on the 12 filters in 5 zero-padded batches (27.3 GFLOP one filter at a time), results/README.md
-    assert update == pytest.approx(37.1e9, rel=0.01)
+    # Newton-Schulz on the 12 filters one at a time, as opt5's Muon runs it (37.1 GFLOP in 5 zero-padded batches, as
+    # ablation.py's muon-other-form row runs it), results/README.md
+    assert update == pytest.approx(27.3e9, rel=0.01)
     at = {size: harness.training_flops_per_image(size) for size in (16, 24, 32)}
     assert at[16] == pytest.approx(at[32] / 4, rel=0.01) and at[24] == pytest.approx(at[32] * 9 / 16, rel=0.01)
     # The H200 model: least squares over the measured steps, a fixed part and one per image x pixel
@@ -825,7 +838,7 @@ def test_the_recipes_defaults_take_as_many_steps_as_five_epochs_of_128_in_7_3_mo
     args = module.parse_args()
     assert {name: getattr(args, name) for name in plot.RECIPE} == plot.RECIPE == {  # plot.py's tables
         "epochs": 20, "batch_size": 512, "lr": 0.016, "optimizer": "muon", "ns_steps": 3, "min_size": 16,
-        "full_size_share": 0.3, "min_size_batch": None, "label_smoothing": 0.1, "accum_steps": 1, "train_size": None}
+        "full_size_share": 0.3, "label_smoothing": 0.1, "accum_steps": 1, "train_size": None}
     sizes = module.image_sizes(args.epochs, args.min_size, 32, args.full_size_share)
     assert [(size, sizes.count(size)) for size in (16, 24, 32)] == [(16, 7), (24, 7), (32, 6)]
     steps = common.CIFAR10_TRAIN_SIZE // args.batch_size
@@ -836,21 +849,28 @@ def test_the_recipes_defaults_take_as_many_steps_as_five_epochs_of_128_in_7_3_mo
 
 
 def modelled_bundle_seconds(row):
-    """An ablation.py row's modelled H200 seconds on the whole training set, from the sizes and batches opt5 gives it."""
-    _, flags, _, _ = ablation.ROWS[ablation.ROW_NAMES.index(row)]
+    """An ablation.py row's modelled H200 seconds on the whole training set, from the sizes opt5 gives it with the
+    row's techniques applied (epochs_at_each_size replaces opt5.image_sizes) and its one batch at every size."""
+    _, flags, techniques, _ = ablation.ROWS[ablation.ROW_NAMES.index(row)]
     with pytest.MonkeyPatch.context() as patch:
+        for technique in techniques:
+            technique(patch.setattr)
         patch.setattr(sys, "argv", ["opt5.py", *flags])
         args = opt5.parse_args()
-    sizes = opt5.image_sizes(args.epochs, args.min_size, 32, args.full_size_share)
-    batches = [args.min_size_batch if size == args.min_size else args.batch_size for size in sizes]
-    records = [{"image_size": size, "steps": common.CIFAR10_TRAIN_SIZE // batch,
-                "images": common.CIFAR10_TRAIN_SIZE // batch * batch} for size, batch in zip(sizes, batches)]
-    return harness.count_work(records, plot.muon_update_flops(args.ns_steps), muon=True)["modelled_h200_seconds"]
+        sizes = opt5.image_sizes(args.epochs, args.min_size, 32, args.full_size_share)
+    steps = common.CIFAR10_TRAIN_SIZE // args.batch_size
+    # harness.count_work's modelled seconds, without the FLOP counts it also makes (a ResNet10 pass per epoch)
+    return sum(steps * harness.modelled_h200_step_seconds(args.batch_size, size, muon=args.optimizer == "muon")
+               for size in sizes)
 
 
-def test_the_twelve_epoch_bundle_models_to_half_the_recipes_h200_time():
-    twenty, twelve = modelled_bundle_seconds("twenty-epochs"), modelled_bundle_seconds("twelve-epochs")
-    assert 7.3 < twenty < 7.4 and twelve <= twenty / 2 and twelve == pytest.approx(3.62, abs=0.01)
+def test_every_ablation_bundle_models_to_at_most_0_7_of_the_recipes_h200_time():
+    twenty = modelled_bundle_seconds("twenty-epochs")
+    shares = {row: modelled_bundle_seconds(row) / twenty for row in ablation.BUNDLE_ROWS}
+    assert 7.3 < twenty < 7.4 and len(shares) == 10 and max(shares.values()) <= 0.7, shares
+    # ablation.py's figures: 15 epochs of 512 (8, 4, 3 by size), 14 of 512 (7, 4, 3), 16 of 1024 (8, 4, 4)
+    assert {round(share, 2) for share in shares.values()} == {0.67, 0.64, 0.58}
+    assert shares["fifteen-epochs+all"] == shares["fifteen-epochs"], "the tricks add no epochs"
 
 
 def test_the_harness_silences_torchs_warning_of_a_capturable_optimizer_stepping_uncaptured():
@@ -866,22 +886,49 @@ def test_the_harness_silences_torchs_warning_of_a_capturable_optimizer_stepping_
 def test_the_update_is_counted_on_a_copy_and_the_runs_weights_do_not_move():
     model = common.ResNet10()
     parameters = list(model.parameters())
-    optimizer = opt5.Muon([p for p in parameters if p.ndim == 4], opt5.adamw([p for p in parameters if p.ndim != 4],
-                          1e-3, CPU), dtype=torch.float32, steps=3)
+    optimizer = opt5.Muon([p for p in parameters if p.ndim == 4], torch.tensor(1e-3), dtype=torch.float32, steps=3)
+    adamw = opt5.adamw([p for p in parameters if p.ndim != 4], 1e-3, CPU)
     before = [parameter.detach().clone() for parameter in parameters]
     hooks_run = []
-    optimizer.register_step_pre_hook(lambda *_: hooks_run.append("pre"))
-    optimizer.register_step_post_hook(lambda *_: hooks_run.append("post"))  # as ablation.py's EMA row hooks it
+    for hooked in (optimizer, adamw):  # as ablation.py's EMA row hooks the last
+        hooked.register_step_pre_hook(lambda *_: hooks_run.append("pre"))
+        hooked.register_step_post_hook(lambda *_: hooks_run.append("post"))
     assert harness.update_flops(optimizer) > 0 and all(parameter.grad is None for parameter in parameters)
+    assert harness.update_flops(adamw) == 0  # elementwise: FlopCounterMode counts none
     assert hooks_run == [], "the copy's step ran the run's hooks"
     assert all(torch.equal(old, parameter) for old, parameter in zip(before, parameters))
-    assert all(not state for state in optimizer.adamw.state.values()), "the run's optimizer took no step"
-    assert harness.update_flops(torch.optim.SGD(parameters, lr=0.1)) == 0  # elementwise: FlopCounterMode counts none
+    assert all(not state for state in (*optimizer.state.values(), *adamw.state.values())), "the run's took no step"
+    assert harness.update_flops(torch.optim.SGD(parameters, lr=0.1)) == 0
     stem = model.stem[0].weight
-    alone = opt5.Muon([stem], opt5.adamw([nn.Parameter(torch.zeros(1))], 1e-3, CPU), dtype=torch.float32, steps=3)
+    alone = opt5.Muon([stem], torch.tensor(1e-3), dtype=torch.float32, steps=3)
     every, stem_update = harness.update_flops(optimizer), harness.update_flops(alone)
     stem.requires_grad_(False)  # as ablation.py's whitening row freezes it: no gradient, so a step skips it
     assert stem_update > 0 and harness.update_flops(optimizer) == every - stem_update
+
+
+def test_the_report_counts_every_optimizers_update_and_muons_time_and_gives_the_last_ones_rate(capsys):
+    # opt5 on: run.optimizers, Muon's then AdamW's (or AdamW's alone); opt4: run.optimizer
+    model = small_net()
+    filters, others = [p for p in model.parameters() if p.ndim == 4], [p for p in model.parameters() if p.ndim != 4]
+    muon, adamw = opt5.Muon(filters, torch.tensor(0.004), dtype=torch.float32, steps=3), opt5.adamw(others, 0.002, CPU)
+
+    def reported(**optimizers):
+        records = []
+        for size in (16, 32):
+            harness.record_epoch(records, (1.0, 0.5, 4, 128), (1.0, 0.5), 2.0, image_size=size, test_images=64)
+        run = SimpleNamespace(args=SimpleNamespace(json=None), device=CPU, **optimizers)
+        return harness.report("opt5.py", run, records, 4.0), records
+
+    (summary, records), update = reported(optimizers=[muon, adamw]), harness.update_flops(muon)
+    assert update > 0 and harness.update_flops(adamw) == 0
+    expected = harness.count_work([dict(record) for record in records], update, muon=True)
+    assert (summary["training_flops"], summary["final_lr"]) == (expected["training_flops"], pytest.approx(0.002))
+    assert summary["modelled_h200_seconds"] == pytest.approx(expected["modelled_h200_seconds"])
+    (alone, _), (as_opt4, _) = reported(optimizers=[adamw]), reported(optimizer=adamw)
+    assert alone["training_flops"] == as_opt4["training_flops"] == expected["training_flops"] - 8 * update
+    # Muon's step adds its time to each of the 8 steps
+    assert summary["modelled_h200_seconds"] == pytest.approx(alone["modelled_h200_seconds"]
+                                                            + 8 * harness.H200_MUON_STEP_SECONDS)
 
 
 def test_validation_holds_out_the_last_training_images_in_the_test_sets_place(tmp_path, monkeypatch, capsys):
@@ -930,7 +977,7 @@ def test_opt4_augment_crops_the_padded_image_at_its_offsets_and_mirrors_where_to
     generator = torch.Generator().manual_seed(0)
     offsets = torch.randint(0, 2 * pad + 1, (2, 32, 1), generator=generator)
     flips = torch.rand(32, 1, generator=generator) < 0.5
-    augmented = opt4.augment(images, offsets, flips)
+    augmented = opt4.augment(images, offsets, flips, pad)
     assert augmented.shape == images.shape
     for i, ((top,), (left,), (flip,)) in enumerate(zip(offsets[0].tolist(), offsets[1].tolist(), flips.tolist())):
         crop = padded[i, :, top:top + height, left:left + width]
@@ -943,14 +990,14 @@ def drawn_plan(size=100, batch_size=16, epochs=2, accum_steps=1, seed=0):
     args = SimpleNamespace(batch_size=batch_size, accum_steps=accum_steps)
     steps = size // batch_size // accum_steps
     run = SimpleNamespace(args=args, device=CPU, generator=torch.Generator().manual_seed(seed),
-                          plan=opt4.empty_plan(steps, args, CPU),
+                          crop_padding=common.CROP_PADDING, plan=opt4.empty_plan(steps, args, CPU),
                           schedule=opt4.onecycle_schedule(0.01, steps * epochs, CPU))
     return run
 
 
 def test_opt3_each_epoch_draws_every_image_once_with_fresh_crops_and_flips():
     run = SimpleNamespace(args=SimpleNamespace(batch_size=16, accum_steps=1), device=CPU,
-                          generator=torch.Generator().manual_seed(0))
+                          generator=torch.Generator().manual_seed(0), crop_padding=common.CROP_PADDING)
     batches, offsets, flips = opt3.draw_epoch(run, 96)
     assert batches.shape == (6, 16) and sorted(batches.flatten().tolist()) == list(range(96))
     assert offsets.shape == (6, 2, 16, 1) and flips.shape == (6, 16, 1)
@@ -964,13 +1011,13 @@ def test_opt3_each_epoch_draws_every_image_once_with_fresh_crops_and_flips():
 def test_opt4_writes_each_epochs_draw_and_its_rates_into_the_plans_buffers_at_the_same_addresses():
     run = drawn_plan(size=100, batch_size=16)
     addresses = {name: tensor.data_ptr() for name, tensor in vars(run.plan).items()}
-    for epoch, size in ((1, 96), (2, 100)):
+    for epoch, image_count in ((1, 96), (2, 100)):
         run.plan.step.fill_(5)
         before = run.generator.get_state()
-        opt4.plan_epoch(run, size, epoch)
+        opt4.plan_epoch(run, image_count, epoch)
         after = run.generator.get_state()
         run.generator.set_state(before)
-        drawn = opt4.draw_epoch(run, size)  # the same draw again, from the same generator state
+        drawn = opt4.draw_epoch(run, image_count)  # the same draw again, from the same generator state
         assert torch.equal(run.generator.get_state(), after)
         assert all(torch.equal(buffer, values) for buffer, values in zip(
             (run.plan.batches, run.plan.offsets, run.plan.flips), drawn))
@@ -995,27 +1042,26 @@ def test_opt4_schedule_table_is_onecycles_learning_rate_at_every_step_and_beta1_
     assert opt4.adamw([weight], 0.02, CPU).defaults["betas"] == (0.9, 0.999)
 
 
-def test_opt3_flip_tta_equals_plain_evaluation_on_mirror_symmetric_images(monkeypatch):
+@pytest.mark.parametrize("script", ["opt3.py", "opt4.py", "opt5.py"])
+def test_opt3_and_opt4_score_each_test_image_once_and_opt5_with_its_mirror(script, monkeypatch):
+    # Flip test-time augmentation is opt5's (its recipe): the mean of the logits of each image and its mirror, in one
+    # batch of --batch-size. opt3 and opt4 score each image once, --batch-size of them a batch
     monkeypatch.setattr(torch, "autocast", lambda *args, **kwargs: contextlib.nullcontext())  # float32
     torch.manual_seed(0)
     model = common.ResNet10().eval()
-    half = torch.randint(0, 256, (16, 3, 32, 16), dtype=torch.uint8)
-    symmetric = torch.cat([half, half.flip(3)], dim=3)
-    labels = torch.randint(0, 10, (16,))
-
-    def plain_loss(images):
-        with torch.no_grad():
-            return torch.nn.functional.cross_entropy(model(opt4.normalize(images, opt4.channel_statistics(CPU))),
-                                                     labels).item()
-
-    def tta_loss(images):
-        loss, _ = call(opt3.evaluate, model=model, test_data=(images, labels), amp_dtype=torch.float32, batch_size=8,
-                       device=CPU)
-        return loss
-
-    assert tta_loss(symmetric) == pytest.approx(plain_loss(symmetric), rel=1e-5)
-    asymmetric = torch.cat([half, half], dim=3)
-    assert tta_loss(asymmetric) != pytest.approx(plain_loss(asymmetric), rel=1e-5), "the test must be able to fail"
+    images, labels = torch.randint(0, 256, (20, 3, 32, 32), dtype=torch.uint8), torch.randint(0, 10, (20,))
+    with torch.no_grad():
+        plain, mirrored = (model(opt4.normalize(shown, opt4.channel_statistics(CPU))) for shown in (images,
+                                                                                                   images.flip(3)))
+    with_mirrors = (plain + mirrored) / 2
+    expected, other = (with_mirrors, plain) if script == "opt5.py" else (plain, with_mirrors)
+    # batches of 8: opt3 and opt4 the last one 4 images padded; opt5 4 images and their 4 mirrors each
+    loss, accuracy = call(ALL_SCRIPTS[script].evaluate, model=model, test_data=(images, labels),
+                          amp_dtype=torch.float32, batch_size=8, device=CPU, size=32)
+    assert loss == pytest.approx(nn.functional.cross_entropy(expected, labels).item(), rel=1e-5)
+    assert accuracy == pytest.approx((expected.argmax(1) == labels).float().mean().item(), abs=1 / 20)
+    assert loss != pytest.approx(nn.functional.cross_entropy(other, labels).item(), rel=1e-5), \
+        "the test must be able to fail"
 
 
 @pytest.mark.parametrize("script", ["opt5.py", "opt6.py"])
@@ -1134,8 +1180,8 @@ def test_the_test_loss_is_computed_on_float32_logits(script, monkeypatch):
     call(ALL_SCRIPTS[script].evaluate, model=model, loader=loader, test_data=opt4.load_to_device(
         common.synthetic_cifar10(32, train=False, transform=None), CPU), batch_size=16, amp_dtype=torch.bfloat16,
         device=CPU, size=32)
-    # 32 images in batches of 16: 2 batches; from opt3 on, 8 images and their mirrors a batch: 4
-    assert losses_on == [torch.float32] * (4 if script in ("opt3.py", *WHOLE_STEP) else 2)
+    # 32 images in batches of 16: 2 batches; from opt5 on, 8 images and their mirrors a batch: 4
+    assert losses_on == [torch.float32] * (4 if script in ("opt5.py", "opt6.py") else 2)
 
 
 # What torch.cpu.get_capabilities() reports on each kind of CPU (the keys that matter here).
@@ -1161,15 +1207,18 @@ def test_bfloat16_only_on_a_cpu_that_runs_it_natively(cpu, monkeypatch):
         assert (unit in why) if unit else ("no bfloat16 unit" in why)
 
 
-def test_on_a_gpu_opt1_picks_float16_and_opt4_bfloat16_only_where_it_is_native(monkeypatch):
-    gpu = torch.device("cuda", 0)
-    # An Ampere or newer GPU: bfloat16 in hardware.
+def test_on_a_gpu_opt1_on_pick_bfloat16_only_where_it_is_native_and_float16_elsewhere(monkeypatch):
+    gpu, scripts = torch.device("cuda", 0), [script for script in ALL_SCRIPTS if script != "baseline.py"]
+    # An Ampere or newer GPU: bfloat16 in hardware, float32's range: no GradScaler.
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
-    assert [ALL_SCRIPTS[script].autocast_dtype(gpu)[0] for script in ("opt1.py", "opt2.py", *WHOLE_STEP)] \
-        == [torch.float16, torch.float16, torch.bfloat16, torch.bfloat16, torch.bfloat16]
+    chosen = [ALL_SCRIPTS[script].autocast_dtype(gpu) for script in scripts]
+    assert [dtype for dtype, _ in chosen] == [torch.bfloat16] * 6
+    assert all(why.startswith("bfloat16 autocast: this GPU runs it natively") for _, why in chosen)
     # A T4 (sm_75): bfloat16 only emulated, which is_bf16_supported() counts unless told not to.
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
-    assert [ALL_SCRIPTS[script].autocast_dtype(gpu)[0] for script in WHOLE_STEP] == [torch.float16] * 3
+    chosen = [ALL_SCRIPTS[script].autocast_dtype(gpu) for script in scripts]
+    assert [dtype for dtype, _ in chosen] == [torch.float16] * 6
+    assert all(why.startswith("float16 autocast: no bfloat16 below sm_80") for _, why in chosen)
 
 
 def test_opt2_loader_workers_default_to_none_on_the_cpu_and_to_the_cores_it_may_use_but_one_with_a_gpu(monkeypatch):
@@ -1201,7 +1250,7 @@ def train_float16_epoch(script, model, optimizer, scaler, images=64):
     loader = DataLoader(common.synthetic_cifar10(images, train=True, transform=common.normalized_transform()),
                         batch_size=16, shuffle=True)
     train_data = opt4.load_to_device(common.synthetic_cifar10(images, train=True, transform=None), CPU)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    scheduler = constant_schedule(optimizer)
     return call(ALL_SCRIPTS[script].train_one_epoch, model=model, loader=loader, train_data=train_data,
                 criterion=nn.CrossEntropyLoss(), optimizer=optimizer, scheduler=scheduler, scaler=scaler,
                 amp_dtype=torch.float16, accum_steps=1, keep_gradients=False, batch_size=16,
@@ -1209,17 +1258,26 @@ def train_float16_epoch(script, model, optimizer, scaler, images=64):
                 rank=0, world_size=1, device=CPU, epoch=1, monitor=NO_MONITOR, size=32)
 
 
+def constant_schedule(optimizer):
+    """A scheduler that keeps `optimizer`'s rate, for the scripts that step one (opt1-opt3); None for a list of them
+    (opt5 on: the step reads its rate off the run's table, as opt4's does)."""
+    return None if isinstance(optimizer, list) else torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+
 def shipped_optimizer(script, model, lr=1e-2, dtype=torch.float16, device=CPU):
     """The optimizer as `script` builds it: AdamW, fused from opt3 on, its rate in a tensor from opt4 on; opt5 and opt6
-    Muon for the filters (with that AdamW for the rest), its Newton-Schulz matmuls in `dtype` (float16: as on a GPU
-    without bfloat16)."""
+    a list, run.optimizers: Muon for the filters, its rate a tensor and its Newton-Schulz matmuls in `dtype` (float16:
+    as on a GPU without bfloat16), then that AdamW for the rest (AdamW's alone for a model without filters)."""
     module = ALL_SCRIPTS[script]
     if module is opt3:  # built in its main()
         return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.05, fused=True)
-    if hasattr(module, "Muon") and any(p.ndim == 4 for p in model.parameters()):
+    if takes_optimizers(module):
         parameters = list(model.parameters())
-        others = module.adamw([p for p in parameters if p.ndim != 4], lr, device)
-        return module.Muon([p for p in parameters if p.ndim == 4], others, dtype=dtype, steps=3)
+        filters, others = [p for p in parameters if p.ndim == 4], [p for p in parameters if p.ndim != 4]
+        if not filters:
+            return [module.adamw(parameters, lr, device)]
+        muon = module.Muon(filters, torch.tensor(lr, device=device), dtype=dtype, steps=3)
+        return [muon, module.adamw(others, lr, device)]
     if hasattr(module, "adamw"):
         return module.adamw(model.parameters(), lr, device)
     return torch.optim.AdamW(model.parameters(), lr=lr)
@@ -1258,8 +1316,10 @@ def step_of(script, model, dataset, device, compiled=False):
     module = ALL_SCRIPTS[script]
     if compiled:
         model.compile(dynamic=False)
+    optimizer = shipped_optimizer(script, model, dtype=torch.float32, device=device)
     run = SimpleNamespace(args=SimpleNamespace(batch_size=32, accum_steps=1), rank=0, world_size=1, device=device,
-                          model=model, optimizer=shipped_optimizer(script, model, dtype=torch.float32, device=device),
+                          model=model, **{"optimizers" if takes_optimizers(module) else "optimizer": optimizer},
+                          crop_padding=common.CROP_PADDING,
                           scaler=torch.amp.GradScaler(device.type, enabled=False), amp_dtype=torch.float32,
                           generator=torch.Generator(device).manual_seed(0),
                           augment_generator=torch.Generator(device).manual_seed(0),
@@ -1273,10 +1333,12 @@ def tensors_of_the_step(run):
     tensors = {"images": run.train_data[0], "labels": run.train_data[1], "statistics": run.statistics,
                **{f"plan.{name}": tensor for name, tensor in vars(run.plan).items()},
                **{f"model.{name}": tensor for name, tensor in run.model.state_dict(keep_vars=True).items()}}
-    for index, group in enumerate(run.optimizer.param_groups):
-        tensors[f"group{index}.lr"] = group["lr"]
-    for index, state in enumerate(run.optimizer.state.values()):
-        tensors.update({f"state{index}.{name}": value for name, value in state.items() if torch.is_tensor(value)})
+    for number, optimizer in enumerate(optimizers_of(run)):  # opt5 on: Muon's and AdamW's
+        for index, group in enumerate(optimizer.param_groups):
+            tensors[f"optimizer{number}.group{index}.lr"] = group["lr"]
+        for index, state in enumerate(optimizer.state.values()):
+            tensors.update({f"optimizer{number}.state{index}.{name}": value for name, value in state.items()
+                            if torch.is_tensor(value)})
     return tensors
 
 
@@ -1516,7 +1578,7 @@ def bn_free_net():
 @pytest.mark.parametrize("script", ["opt4.py", "opt6.py"])
 def test_opt4_accumulating_k_micro_batches_equals_one_big_batch(script, monkeypatch):
     monkeypatch.setattr(torch, "autocast", lambda *args, **kwargs: contextlib.nullcontext())  # float32
-    monkeypatch.setattr(ALL_SCRIPTS[script], "augment", lambda images, offsets, flips: images)  # crops differ per batch
+    monkeypatch.setattr(ALL_SCRIPTS[script], "augment", lambda images, offsets, flips, padding: images)  # crops differ
 
     def weights_after_one_epoch(batch_size, accum_steps):
         model = bn_free_net()
@@ -1525,7 +1587,7 @@ def test_opt4_accumulating_k_micro_batches_equals_one_big_batch(script, monkeypa
         _, _, steps, images = call(
             ALL_SCRIPTS[script].train_one_epoch, model=model, train_data=opt4.load_to_device(dataset, CPU),
             criterion=nn.CrossEntropyLoss(), optimizer=optimizer,
-            scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
+            scheduler=constant_schedule(optimizer),
             scaler=torch.amp.GradScaler("cpu", enabled=False), amp_dtype=torch.float32, accum_steps=accum_steps,
             keep_gradients=accum_steps > 1, batch_size=batch_size, generator=torch.Generator().manual_seed(0),
             augment_generator=None, rank=0, world_size=1, device=CPU, epoch=1, monitor=NO_MONITOR, size=32)
@@ -1564,7 +1626,7 @@ def test_opt5_downscale_averages_each_pixels_area():
     assert opt5.downscale(torch.rand(1, 3, 64, 64), 32).shape == (1, 3, 32, 32), "images of any size"
 
 
-def test_opt5_min_size_batch_trains_the_smallest_size_on_its_own_batch_under_one_schedule(monkeypatch, tmp_path):
+def test_opt5_trains_every_size_on_its_one_batch_under_one_onecycle_table_sliced_per_epoch(monkeypatch, tmp_path):
     batches, schedules, json_path = {"train": [], "eval": []}, [], tmp_path / "result.json"
 
     class BatchRecordingResNet10(common.ResNet10):
@@ -1574,29 +1636,28 @@ def test_opt5_min_size_batch_trains_the_smallest_size_on_its_own_batch_under_one
 
     plan_epoch = opt5.plan_epoch
 
-    def recorded_plan_epoch(run, size, epoch):
-        plan_epoch(run, size, epoch)
-        schedules.append(run.plan.schedule.clone())
+    def recorded_plan_epoch(run, image_count, epoch):
+        plan_epoch(run, image_count, epoch)
+        schedules.append((run.plan.schedule.clone(), run.plan.schedule.data_ptr()))
     monkeypatch.setattr(common, "ResNet10", BatchRecordingResNet10)
     monkeypatch.setattr(harness, "training_flops_per_image", lambda size=32: 1.0)
     monkeypatch.setattr(opt5, "plan_epoch", recorded_plan_epoch)
-    # 128 images: 2 steps of 64 at 16x16, then 4 of 32 at 24x24 and at 32x32, one OneCycleLR table of 10 steps
+    # 128 images: 4 steps of 32 at 16x16, at 24x24 and at 32x32, one OneCycleLR table of 12 steps, 4 rows an epoch
     monkeypatch.setattr(sys, "argv", ["opt5.py", *SMALL, "--epochs", "3", "--train-size", "128", "--batch-size", "32",
-                                      "--min-size-batch", "64", "--monitor-size", "64", "--json", str(json_path)])
+                                      "--monitor-size", "64", "--json", str(json_path)])
     opt5.main()
-    assert batches["train"] == [(64, 16)] * 2 + [(32, 24)] * 4 + [(32, 32)] * 4
+    assert batches["train"] == [(32, 16)] * 4 + [(32, 24)] * 4 + [(32, 32)] * 4
     # evaluated in the training batch's shape at each size: half a batch of images and their mirrors
-    assert batches["eval"] == [(64, 16)] * 2 + [(32, 24)] * 4 + [(32, 32)] * 16
-    assert torch.equal(torch.cat(schedules), opt5.onecycle_schedule(0.016, 10, CPU))
+    assert batches["eval"] == [(32, 16)] * 4 + [(32, 24)] * 4 + [(32, 32)] * 16
+    assert torch.equal(torch.cat([rows for rows, _ in schedules]), opt5.onecycle_schedule(0.016, 12, CPU))
+    assert len({address for _, address in schedules}) == 1, "one plan: every size's step reads the same buffers"
     report = read_json(json_path)
-    assert [(epoch["steps"], epoch["images"]) for epoch in report["epochs"]] == [(2, 128), (4, 128), (4, 128)]
-    assert report["settings"]["min_size_batch"] == 64
+    assert [(epoch["steps"], epoch["images"]) for epoch in report["epochs"]] == [(4, 128)] * 3
+    assert "min_size_batch" not in report["settings"]
 
 
 @pytest.mark.parametrize("args, says", [
     (["--full-size-share", "1"], "--full-size-share: must be at least 0 and below 1"),
-    (["--min-size-batch", "0"], "--min-size-batch: must be a positive integer"),
-    (["--min-size-batch", "4096", "--train-size", "2048"], "smaller than one optimizer step (4096 images)"),
 ])
 def test_opt5_resizing_flags_are_checked(args, says):
     result = run_script("opt5.py", *SMALL, *args)
@@ -1655,119 +1716,87 @@ def test_opt5_trains_each_epoch_on_its_image_size_and_evaluates_all_test_images_
 
 @pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon arrived in torch 2.9")
 @pytest.mark.parametrize("ns_steps", [3, 5])  # opt5's default, torch's
-def test_opt5_muon_steps_a_filter_as_torch_optim_muon_steps_its_matrix_and_the_rest_as_adamw(ns_steps):
+def test_opt5_muon_steps_a_filter_as_torch_optim_muon_steps_its_matrix(ns_steps):
     torch.manual_seed(0)
-    filter_, shift = torch.randn(16, 8, 3, 3), torch.randn(16)
-    # A 3x3 filter, channels_last as in the scripts; torch's Muon takes its 16 x 72 matrix (2-D weights only).
-    ours = [nn.Parameter(filter_.contiguous(memory_format=torch.channels_last)), nn.Parameter(shift.clone())]
-    theirs = [nn.Parameter(filter_.flatten(1).clone()), nn.Parameter(shift.clone())]
-    muon = opt5.Muon(ours[:1], opt5.adamw(ours[1:], 0.01, CPU), dtype=torch.bfloat16, steps=ns_steps)
-    # The same coefficients (torch's defaults, in bfloat16) and steps, Nesterov momentum 0.9 (ours: betas[0]), and
-    # the update scaled to AdamW's size (Moonlight's 0.2 sqrt(max(rows, columns))); AdamW's settings for the rest
-    references = [torch.optim.Muon(theirs[:1], lr=0.01, weight_decay=0.05, momentum=0.9, nesterov=True,
-                                   ns_steps=ns_steps, adjust_lr_fn="match_rms_adamw"),
-                  torch.optim.AdamW(theirs[1:], lr=0.01, weight_decay=0.05, betas=(0.9, 0.999), eps=1e-8)]
+    filter_ = torch.randn(16, 8, 3, 3)
+    # A 3x3 filter, channels_last as in the scripts; torch's Muon takes its 16 x 72 matrix (2-D weights only). A tall
+    # one too (the stem's 64 x 27 is tall: orthogonalize turns it wide), as its transpose's 1x1 filter
+    tall = torch.randn(72, 16, 1, 1)
+    ours = [nn.Parameter(filter_.contiguous(memory_format=torch.channels_last)), nn.Parameter(tall.clone())]
+    theirs = [nn.Parameter(filter_.flatten(1).clone()), nn.Parameter(tall.flatten(1).clone())]
+    # its rate a float32 tensor, as main() builds it
+    muon = opt5.Muon(ours, torch.tensor(0.01), dtype=torch.bfloat16, steps=ns_steps)
+    # The same coefficients (torch's defaults, in bfloat16) and steps, Nesterov momentum 0.9, and the update scaled to
+    # AdamW's size (Moonlight's 0.2 sqrt(max(rows, columns)))
+    reference = torch.optim.Muon(theirs, lr=0.01, weight_decay=0.05, momentum=0.9, nesterov=True, ns_steps=ns_steps,
+                                 adjust_lr_fn="match_rms_adamw")
     for _ in range(3):
-        gradients = torch.randn(16, 8, 3, 3), torch.randn(16)
+        gradients = torch.randn(16, 8, 3, 3), torch.randn(72, 16, 1, 1)
         ours[0].grad = gradients[0].contiguous(memory_format=torch.channels_last)
-        ours[1].grad, theirs[0].grad, theirs[1].grad = gradients[1].clone(), gradients[0].flatten(1), gradients[1]
+        ours[1].grad, theirs[0].grad, theirs[1].grad = gradients[1].clone(), gradients[0].flatten(1), \
+            gradients[1].flatten(1)
         muon.step()
-        for reference in references:
-            reference.step()
-    moved = (theirs[0] - filter_.flatten(1)).abs().mean()  # what 3 steps moved each weight, on average
-    assert moved > 1e-3
-    # Both orthogonalize in bfloat16, from momenta that differ in float32's last bits (our beta1 is a float32 tensor,
-    # torch's 0.9 a double): an entry can round to the next bfloat16 value, 2^-8 of it, at each of the 3 steps
-    step_size = 0.01 * 0.2 * 72 ** 0.5  # the rate scaled to AdamW's size: an orthogonalized entry is at most ~1
-    torch.testing.assert_close(ours[0].detach().flatten(1), theirs[0].detach(), rtol=0, atol=3 * step_size * 2**-8)
-    torch.testing.assert_close(ours[1].detach(), theirs[1].detach())
+        reference.step()
+    for ours_, theirs_, start in zip(ours, theirs, (filter_.flatten(1), tall.flatten(1))):
+        moved = (theirs_ - start).abs().mean()  # what 3 steps moved each weight, on average
+        assert moved > 1e-3
+        # Both orthogonalize in bfloat16, from weights that differ in float32's last bits (our rate is a float32
+        # tensor, torch's 0.01 a double): an entry can round to the next bfloat16 value, 2^-8 of it, at each step
+        step_size = 0.01 * 0.2 * 72 ** 0.5  # the rate scaled to AdamW's size: an orthogonalized entry is at most ~1
+        torch.testing.assert_close(ours_.detach().flatten(1), theirs_.detach(), rtol=0, atol=3 * step_size * 2**-8)
 
 
 @pytest.mark.parametrize("script", ["opt5.py", "opt6.py"])
-def test_muon_without_a_filters_gradient_steps_the_rest_as_adamw_and_leaves_the_filters(script):
+def test_muon_leaves_a_filter_without_a_gradient_and_steps_the_others_as_without_it(script):
+    # ablation.py's whitening row freezes the stem: a filter without a gradient is skipped, and gets no state
     torch.manual_seed(0)
-    frozen, shift = nn.Parameter(torch.randn(16, 8, 3, 3)), nn.Parameter(torch.randn(16))  # the filter: no gradient
-    reference = nn.Parameter(shift.detach().clone())
+    frozen, moving = nn.Parameter(torch.randn(16, 8, 3, 3)), nn.Parameter(torch.randn(32, 16, 3, 3))
+    reference = nn.Parameter(moving.detach().clone())
     module = ALL_SCRIPTS[script]
-    muon = module.Muon([frozen], module.adamw([shift], 0.01, CPU), dtype=torch.float32, steps=3)
-    adamw = torch.optim.AdamW([reference], lr=0.01, weight_decay=0.05, betas=(0.9, 0.999), eps=1e-8)
-    before = frozen.detach().clone()
+    muon = module.Muon([frozen, moving], torch.tensor(0.01), dtype=torch.float32, steps=3)
+    alone = module.Muon([reference], torch.tensor(0.01), dtype=torch.float32, steps=3)
+    before, start = frozen.detach().clone(), moving.detach().clone()
     for _ in range(2):
-        shift.grad = torch.randn(16)
-        reference.grad = shift.grad.clone()
+        moving.grad = torch.randn(32, 16, 3, 3)
+        reference.grad = moving.grad.clone()
         muon.step()
-        adamw.step()
-    assert torch.equal(frozen, before)
-    torch.testing.assert_close(shift.detach(), reference.detach())
+        alone.step()
+    assert torch.equal(frozen, before) and not muon.state[frozen], "the frozen filter or its state moved"
+    assert torch.equal(moving, reference) and not torch.equal(moving, start)
 
 
-class PerFilterMuon(torch.optim.Optimizer):
-    """opt5's Muon as it was before its update became foreach ops on device-tensor rates (commit 410ebec), for filters
-    only: a Python loop over the filters, floats for the rate and momentum."""
-
-    def __init__(self, filters, lr, weight_decay, dtype, steps):
-        super().__init__(filters, {"lr": lr, "weight_decay": weight_decay, "betas": (0.9, 0.999)})
-        self.dtype, self.steps = dtype, steps
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            lr, (beta1, _) = group["lr"], group["betas"]
-            for parameter in group["params"]:
-                state = self.state[parameter]
-                if not state:
-                    state["exp_avg"] = torch.zeros_like(parameter)
-                parameter.mul_(1 - lr * group["weight_decay"])
-                momentum = state["exp_avg"].lerp_(parameter.grad, 1 - beta1)
-                update = parameter.grad.lerp(momentum, beta1).flatten(1)
-                scale = 0.2 * max(update.shape) ** 0.5
-                update = opt5.orthogonalize(update[None], self.steps, self.dtype)[0].reshape(parameter.shape)
-                parameter.add_(update, alpha=-lr * scale)
-
-
-@pytest.mark.parametrize("ns_steps", [3, 5])
-def test_opt5_muon_in_float32_steps_the_filters_as_its_per_filter_loop_did(ns_steps):
-    model = small_net()
-    conv = nn.Conv2d(16, 32, 3, bias=False).to(memory_format=torch.channels_last)  # a second filter shape
-    filters = [model[0].weight, conv.weight]
-    reference = [nn.Parameter(filter_.detach().clone()) for filter_ in filters]
-    muon = opt5.Muon(filters, opt5.adamw(list(model[1:].parameters()), 0.01, CPU), dtype=torch.float32, steps=ns_steps)
-    per_filter = PerFilterMuon(reference, lr=0.01, weight_decay=0.05, dtype=torch.float32, steps=ns_steps)
-    torch.manual_seed(1)
-    for _ in range(3):
-        for ours, theirs in zip(filters, reference):
-            ours.grad = torch.randn_like(ours)
-            theirs.grad = ours.grad.clone()
-        muon.step()
-        per_filter.step()
-    assert not torch.equal(filters[0], small_net()[0].weight), "the filters moved"
-    for ours, theirs in zip(filters, reference):
-        # float32 throughout: apart only by the rounding of a float32 beta1 and of foreach's order of operations
-        torch.testing.assert_close(ours.detach(), theirs.detach(), rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("script", ["opt5.py", "opt6.py"])
-def test_muon_orthogonalizes_resnet10s_filters_in_5_padded_batches_as_each_alone(script, monkeypatch):
-    module = ALL_SCRIPTS[script]
+def test_muons_batched_form_steps_resnet10s_filters_as_opt5s_loop_in_float64(monkeypatch):
+    # ablation.py's "muon-other-form" row (batched_muon): opt5's Muon step in foreach ops, the orthogonalizations in 5
+    # zero-padded batches (a zero column adds nothing to x x^T: the rest is as it would be alone), the same math
     torch.manual_seed(0)
     # every filter shape of ResNet10, channels_last as in the scripts: wide ones, tall ones (the stem, the 1x1
-    # shortcuts: their matrices turned wide) and two of one shape
-    updates = [torch.randn(parameter.shape, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
-               for parameter in common.ResNet10().parameters() if parameter.ndim == 4]
-    alone = [module.orthogonalize(update.flatten(1)[None], 3, torch.float64)[0].view_as(update) for update in updates]
-    orthogonalize, batches = module.orthogonalize, []
+    # shortcuts: their matrices turned wide) and several of one shape
+    start = [torch.randn(parameter.shape, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+             for parameter in common.ResNet10().parameters() if parameter.ndim == 4]
+    loop_filters, batched_filters = ([nn.Parameter(filter_.clone()) for filter_ in start] for _ in range(2))
+    loop_step, batches = opt5.Muon.step, []
+    ablation.batched_muon(monkeypatch.setattr)
+    assert opt5.Muon.step is not loop_step
+    batched_orthogonalize = ablation.batched_orthogonalize
 
     def counted(matrices, *rest):
         batches.append(tuple(matrices.shape))
-        return orthogonalize(matrices, *rest)
-    monkeypatch.setattr(module, "orthogonalize", counted)
-    batched = module.orthogonal_updates(updates, 3, torch.float64)
-    # one batch per row count, each as wide as its widest matrix
-    assert batches == [(1, 27, 64), (3, 64, 576), (3, 128, 1152), (3, 256, 2304), (2, 512, 4608)]
-    for ours, theirs in zip(batched, alone):
-        assert ours.shape == theirs.shape
-        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)  # zero columns leave the rest as it was
-        assert 0.6 < torch.linalg.svdvals(ours.flatten(1)).min()  # and it is orthogonalized: not a zero or a copy
+        return batched_orthogonalize(matrices, *rest)
+    monkeypatch.setattr(ablation, "batched_orthogonalize", counted)
+    loop, batched = (opt5.Muon(filters, torch.tensor(0.01, dtype=torch.float64), dtype=torch.float64, steps=3)
+                     for filters in (loop_filters, batched_filters))
+    for _ in range(3):
+        for ours, theirs in zip(loop_filters, batched_filters):
+            ours.grad = torch.randn_like(ours)
+            theirs.grad = ours.grad.clone()
+        loop_step(loop)
+        batched.step()
+    # one batch per row count, each as wide as its widest matrix, at every step
+    assert batches == [(1, 27, 64), (3, 64, 576), (3, 128, 1152), (3, 256, 2304), (2, 512, 4608)] * 3
+    for ours, theirs, first in zip(loop_filters, batched_filters, start):
+        torch.testing.assert_close(theirs.detach(), ours.detach(), rtol=0, atol=1e-12)
+        # and each filter stepped: 3 orthogonalized steps of 0.01 x 0.2 sqrt(its matrix's longer side)
+        assert (ours - first).norm() > 0.01 * 0.2 * max(first.size(0), first[0].numel()) ** 0.5
 
 
 VIEWS = {"view", "reshape", "_reshape_alias", "t", "numpy_T", "transpose", "mT", "permute", "expand", "as_strided", "unsqueeze",
@@ -1787,18 +1816,23 @@ def launched_ops(step):
 
 
 @pytest.mark.parametrize("script", ["opt5.py", "opt6.py"])
-def test_muon_step_on_resnet10_launches_94_ops(script):
+def test_muon_step_on_resnet10_launches_the_same_249_ops_every_step_and_reads_nothing_on_the_host(script):
     module = ALL_SCRIPTS[script]
-    parameters = list(common.ResNet10().to(memory_format=torch.channels_last).parameters())
-    for parameter in parameters:
-        parameter.grad = torch.randn_like(parameter)
-    muon = module.Muon([p for p in parameters if p.ndim == 4], module.adamw([p for p in parameters if p.ndim != 4],
-                                                                           0.01, CPU), dtype=torch.bfloat16, steps=3)
-    muon.adamw.step = lambda: None  # the filters' update alone
-    # the decay factor (2 ops on the rate tensor), 3 foreach ops (weight decay, momentum, Nesterov), a copy into and an
-    # add from each of the 12 filters, and 13 ops for each of 5 batches: zeros, norm, clamp, divide, and 3
-    # Newton-Schulz steps of 3 matmuls. One filter at a time it was 173 (results/README.md)
-    assert launched_ops(muon.step) == 2 + 3 + 12 * 2 + 5 * 13 == 94
+    filters = [p for p in common.ResNet10().to(memory_format=torch.channels_last).parameters() if p.ndim == 4]
+    for filter_ in filters:
+        filter_.grad = torch.randn_like(filter_)
+    # its rate a tensor, as main() builds it: read on the device, so a captured step keeps none baked in
+    muon = module.Muon(filters, torch.tensor(0.01), dtype=torch.bfloat16, steps=3)
+    first = launched_ops(muon.step)  # it makes each filter's momentum: 12 zeros_like
+    later = [launched_ops(muon.step) for _ in range(2)]
+    with CountHostReads() as counter, CountScalarReads() as scalars:
+        muon.step()
+    assert (counter.reads, scalars.reads) == ([], 0), "a host read would wait for the GPU at every step"
+    # For each of the 12 filters: the decay factor (2 ops on the rate tensor), weight decay, momentum, Nesterov, the
+    # cast to bfloat16, norm, clamp, divide, 3 Newton-Schulz steps of 3 matmuls, the rate times the update and the
+    # add: 20; and the 9 3x3 filters' copies out of channels_last (a 1x1 filter's flatten is a view). The batched
+    # form (ablation.py's muon-other-form) takes 94
+    assert later == [12 * 20 + 9] * 2 == [249] * 2 and first == 249 + 12
 
 
 @pytest.mark.parametrize("shape", [(64, 27), (27, 64), (128, 1152)])  # the stem, its transpose, a layer-2 filter
@@ -1807,10 +1841,12 @@ def test_muon_step_on_resnet10_launches_94_ops(script):
 def test_opt5_orthogonalize_takes_every_singular_value_near_1(shape, dtype, steps):
     torch.manual_seed(0)
     matrix = torch.randn(shape) * torch.logspace(0, -1, shape[1])  # singular values spread over 10x
-    result = opt5.orthogonalize(matrix[None], steps=steps, dtype=dtype)[0]
+    result = opt5.orthogonalize(matrix, steps=steps, dtype=dtype)  # one 2-D matrix, wide or tall
     assert result.shape == shape and result.dtype == dtype
     singular_values = torch.linalg.svdvals(result.float())
     assert 0.6 < singular_values.min() and singular_values.max() < 1.25, singular_values.aminmax()
+    # a tall matrix is orthogonalized as its wide transpose (the smaller Gram matrix), then turned back
+    torch.testing.assert_close(opt5.orthogonalize(matrix.T, steps=steps, dtype=dtype), result.T)
 
 
 @pytest.mark.parametrize("steps, reached", [(3, [False, False, True]), (5, [False, True, True])])
@@ -1820,33 +1856,34 @@ def test_opt5_orthogonalize_leaves_the_singular_values_under_its_threshold_below
     small = torch.tensor([1e-3, 1e-2, 1e-1], dtype=torch.float64)
     singular_values = torch.cat([small, (1 - small.square().sum()).sqrt().view(1)])
     basis, _ = torch.linalg.qr(torch.randn(64, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0)))
-    result = opt5.orthogonalize((basis * singular_values)[None], steps=steps, dtype=torch.float64)[0]
+    result = opt5.orthogonalize(basis * singular_values, steps=steps, dtype=torch.float64)
     # Orthogonal columns stay orthogonal: each column's length is its singular value after the steps
     assert [length > 0.68 for length in result.norm(dim=0)[:3].tolist()] == reached, result.norm(dim=0)
 
 
-def test_opt5_muon_is_one_optimizer_whose_every_group_takes_the_schedules_rate_and_steps_every_weight():
+@pytest.mark.parametrize("optimizer", ["muon", "adamw"])
+def test_opt5_optimizer_step_gives_each_optimizer_the_schedules_rate_and_steps_every_weight(optimizer):
+    # run.optimizers: Muon's for the filters then AdamW's for the rest, or AdamW's alone (--optimizer adamw), each
+    # weight in one of them; optimizer_step writes each group's rate tensor from the plan's row and steps them all
     model = small_net()
     parameters = list(model.parameters())
-    filters = [parameter for parameter in parameters if parameter.ndim == 4]
-    muon = opt5.Muon(filters, opt5.adamw([p for p in parameters if p.ndim != 4], 0.01, CPU), dtype=torch.float32,
-                     steps=3)
-    assert muon.param_groups[0]["params"] == filters and len(filters) == 1
-    assert sum(len(group["params"]) for group in muon.param_groups) == len(parameters)
+    optimizers = shipped_optimizer("opt5.py", model, dtype=torch.float32) if optimizer == "muon" else \
+        [opt5.adamw(parameters, 0.01, CPU)]  # as main() builds them
+    assert [type(each).__name__ for each in optimizers] == (["Muon", "AdamW"] if optimizer == "muon" else ["AdamW"])
+    stepped = [parameter for each in optimizers for group in each.param_groups for parameter in group["params"]]
+    assert sorted(map(id, stepped)) == sorted(map(id, parameters)), "each weight in exactly one optimizer"
     args = SimpleNamespace(batch_size=8, accum_steps=1)
-    run = SimpleNamespace(optimizer=muon, scaler=torch.amp.GradScaler("cpu", enabled=False),
-                          plan=opt5.empty_plan(2, 8, args, CPU), world_size=1)
+    run = SimpleNamespace(optimizers=optimizers, scaler=torch.amp.GradScaler("cpu", enabled=False),
+                          plan=opt5.empty_plan(2, args, CPU), world_size=1)
     run.plan.schedule.copy_(torch.tensor([0.004, 0.002]))
     before = [parameter.detach().clone() for parameter in parameters]
     for step in range(2):
         for parameter in parameters:
             parameter.grad = torch.ones_like(parameter)
         opt5.optimizer_step(run)
-        # each group, Muon's and AdamW's, stepped at this step's rate
-        rates = {group["lr"].item() for group in muon.param_groups}
+        # each group of each optimizer, Muon's and AdamW's, stepped at this step's rate
+        rates = {group["lr"].item() for each in optimizers for group in each.param_groups}
         assert rates == {run.plan.schedule[step].item()} and run.plan.step.item() == step + 1
-        muon.zero_grad()  # as the next step starts: zero_grad reaches every group's gradients
-        assert all(parameter.grad is None for parameter in parameters)
     assert all(not torch.equal(parameter, old) for parameter, old in zip(parameters, before)), "every weight moved"
 
 
@@ -1903,12 +1940,29 @@ def tiny_resnet():
                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
 
 
-def test_opt3s_loop_and_opt4s_step_give_the_same_losses_in_float32(monkeypatch, tmp_path):
-    # 2 epochs of 2,048 images, beta1 fixed in both (opt3's OneCycleLR cycles it unless told not to): the split changed
-    # how the step runs (a loop on the host; one function on the plan's buffers), not what it computes
+@pytest.mark.parametrize("script", ["opt2.py", "opt3.py"])
+def test_opt2_and_opt3_onecycle_moves_the_rate_and_keeps_beta1_at_adamws_0_9(script, monkeypatch):
+    # cycle_momentum=False: beta1 a plain number, as opt4's captured step keeps it (OneCycleLR would cycle it 0.95-0.85)
+    seen = []
+
+    class AdamW(torch.optim.AdamW):
+        def step(self, *args, **kwargs):
+            seen.extend((group["betas"][0], float(group["lr"])) for group in self.param_groups)
+            return super().step(*args, **kwargs)
     monkeypatch.setattr(common, "ResNet10", tiny_resnet)
-    monkeypatch.setattr(torch.optim.lr_scheduler, "OneCycleLR",
-                        functools.partial(torch.optim.lr_scheduler.OneCycleLR, cycle_momentum=False))
+    monkeypatch.setattr(torch.optim, "AdamW", AdamW)
+    workers = ["--workers", "0"] if script == "opt2.py" else []
+    monkeypatch.setattr(sys, "argv", [script, *SMALL, "--epochs", "2", "--train-size", "64", "--batch-size", "16",
+                                      "--test-size", "16", "--no-compile", *workers])
+    ALL_SCRIPTS[script].main()
+    assert len(seen) >= 8 and {beta1 for beta1, _ in seen} == {0.9}
+    assert len({rate for _, rate in seen}) >= 4, "the rate moves at every step"
+
+
+def test_opt3s_loop_and_opt4s_step_give_the_same_losses_in_float32(monkeypatch, tmp_path):
+    # 2 epochs of 2,048 images, as each script ships (beta1 fixed at AdamW's 0.9 in both, from opt2 on): the split
+    # changed how the step runs (a loop on the host; one function on the plan's buffers), not what it computes
+    monkeypatch.setattr(common, "ResNet10", tiny_resnet)
 
     def losses_and_weights(script):
         module, losses = ALL_SCRIPTS[script], []
@@ -2009,18 +2063,6 @@ def test_a_capture_that_fails_says_why_in_one_line_and_the_step_runs_uncaptured_
 
 
 # ------------------------------------------------------------------------------------ benchmark
-
-def test_the_readmes_copy_table_points_at_functions_that_exist():
-    readme = (ROOT / "README.md").read_text()
-    table = readme[readme.index("## What to copy first"):].split("\n\n")[1].splitlines()[2:]
-    places = [place for row in table for place in row.split("|")[2].split(";")]
-    named = [(f"{match[1]}.py", name) for place in places if (match := re.search(r"\b(opt\d|common|harness)\b", place))
-             for name in re.findall(r"`(\w+)`", place)]
-    assert len(named) >= 15, named
-    missing = [(script, name) for script, name in named
-               if not re.search(rf"^\s*(def|class) {name}\b", (ROOT / script).read_text(), re.M)]
-    assert missing == [], missing
-
 
 def test_benchmark_measures_the_chain_by_the_readmes_command_on_a_cpu(tmp_path):
     # The README's command, then what makes it small here: the last of a repeated flag wins
@@ -2161,10 +2203,25 @@ def test_ablation_whitening_stem_is_frozen_and_made_from_the_training_images(mon
     assert torch.equal(model.stem[0].weight[:54], expected) and not model.stem[0].weight.requires_grad
 
 
+def test_ablation_trained_whitening_stem_starts_from_the_whitening_filters_and_trains_on(monkeypatch):
+    ablation.TRAINED_WHITENING(monkeypatch.setattr, images_used=64)
+    train_set, _ = common.load_data(SimpleNamespace(synthetic=True, data_dir=None, train_size=256, test_size=64),
+                                    None, None)
+    train_images, _ = opt5.load_to_device(train_set, CPU)
+    model = common.ResNet10()
+    stem = model.stem[0].weight
+    expected = ablation.whitening_weights(opt5.normalize(train_images[:64], opt5.channel_statistics(CPU)))
+    assert torch.equal(stem[:54], expected) and stem.requires_grad and stem.is_leaf
+    model(torch.randn(2, 3, 16, 16)).square().sum().backward()
+    assert stem.grad is not None and stem.grad[:54].abs().sum() > 0, "a gradient reaches the whitening filters"
+    opt5.Muon([stem], torch.tensor(0.01), dtype=torch.float32).step()  # opt5's Muon steps it as a filter
+    assert not torch.equal(stem[:54], expected)
+
+
 def test_ablation_alternating_flip_mirrors_each_image_every_other_epoch(monkeypatch):
     ablation.alternating_flip(monkeypatch.setattr)
     run = drawn_plan(size=96, batch_size=16, epochs=3)
-    run.args.seed, run.schedule = 0, run.schedule.split(6)  # opt5's table: each epoch's rows
+    run.args.seed = 0  # opt5's table is one for the run: plan_epoch takes each epoch's rows of it
     flips = {}
     for epoch in (1, 2, 3):
         opt5.plan_epoch(run, 96, epoch)
@@ -2179,18 +2236,21 @@ def test_ablation_ema_averages_the_weights_and_batchnorm_statistics_after_every_
     def three_steps(run, train_data, epoch, monitor, size):
         for _ in range(3):
             run.model(torch.randn(8, 4)).square().mean().backward()
-            run.optimizer.step()
+            for optimizer in run.optimizers:  # as opt5's optimizer_step: Muon's, then AdamW's
+                optimizer.step()
 
     monkeypatch.setattr(opt5, "train_one_epoch", three_steps)
     ablation.ema_of_the_weights(monkeypatch.setattr, decay=0.5)
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
-    run = SimpleNamespace(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    # the first optimizer steps the Linear's weight, the last the rest: the average sees both steps
+    run = SimpleNamespace(model=model, optimizers=[torch.optim.SGD([model[0].weight], lr=0.1),
+                                                   torch.optim.SGD(list(model.parameters())[1:], lr=0.1)])
     states = [{name: tensor.clone() for name, tensor in model.state_dict().items()}]
-    record = run.optimizer.register_step_post_hook(lambda *_: states.append(
+    record = run.optimizers[-1].register_step_post_hook(lambda *_: states.append(
         {name: tensor.clone() for name, tensor in model.state_dict().items()}))
     opt5.train_one_epoch(run, None, 1, NO_MONITOR, 32)
     record.remove()
-    for name in ("0.weight", "1.running_mean", "1.running_var"):
+    for name in ("0.weight", "0.bias", "1.running_mean", "1.running_var"):
         expected = states[0][name]
         for state in states[1:]:
             expected = 0.5 * expected + 0.5 * state[name]
@@ -2205,8 +2265,8 @@ def test_ablation_nesterov_row_builds_sgd_where_opt5_builds_adamw(monkeypatch):
     settings = {name: optimizer.defaults[name] for name in ("momentum", "nesterov", "weight_decay")}
     assert settings == {"momentum": 0.9, "nesterov": True, "weight_decay": 5e-4}
     args = SimpleNamespace(batch_size=8, accum_steps=1)
-    run = SimpleNamespace(optimizer=optimizer, scaler=torch.amp.GradScaler("cpu", enabled=False),
-                          plan=opt5.empty_plan(1, 8, args, CPU))
+    run = SimpleNamespace(optimizers=[optimizer], scaler=torch.amp.GradScaler("cpu", enabled=False),
+                          plan=opt5.empty_plan(1, args, CPU))
     run.plan.schedule.copy_(torch.tensor([0.1]))
     optimizer.param_groups[0]["params"][0].grad = torch.ones(2)
     opt5.optimizer_step(run)  # opt5's own update step takes it, at the table's rate
@@ -2217,8 +2277,11 @@ def test_ablation_nesterov_row_builds_sgd_where_opt5_builds_adamw(monkeypatch):
     ("shipped", {}), ("no-resizing", {"min_size": 32}), ("smoothing-0.2", {"label_smoothing": 0.2}),
     ("nesterov", {"optimizer": "adamw", "lr": 0.2}), ("adamw", {"optimizer": "adamw"}),
     ("smoothing-0", {"label_smoothing": 0.0}), ("epochs-5-batch-128", {"epochs": 5, "batch_size": 128, "lr": 0.008}),
-    ("twenty-epochs", {"min_size_batch": 512}),  # the batch at every size, named: the recipe whatever the defaults
-    ("twelve-epochs", {"epochs": 12, "batch_size": 1024, "min_size_batch": 2048, "lr": 0.0226, "full_size_share": 0.4}),
+    ("twenty-epochs", {}),  # every setting named: the recipe whatever the defaults
+    ("one-warmup-step", {}),  # a time row: opt5's training, set up differently
+    # a bundle: its schedule's flags, then its own (label smoothing 0.2 after the schedule's 0.1)
+    ("fifteen-epochs+all", {"epochs": 15, "label_smoothing": 0.2}),
+    ("sixteen-epochs-1024+lookahead+alternating-flip", {"epochs": 16, "batch_size": 1024, "lr": 0.0226}),
 ])
 def test_ablation_rows_flags_change_the_recipe_in_what_they_name_and_win_over_the_flags_given(row, changed,
                                                                                               monkeypatch):
@@ -2230,10 +2293,10 @@ def test_ablation_rows_flags_change_the_recipe_in_what_they_name_and_win_over_th
             changed
 
 
-@pytest.mark.parametrize("row, peak", [("twelve-epochs+schedule+batchnorm", 1.4), ("twelve-epochs+warmup+whitening", 1)])
-def test_ablation_short_schedule_warms_up_over_5_percent_and_decays_in_a_line_to_0(row, peak, monkeypatch):
-    short_schedule, = [technique for technique in ablation.ROWS[ablation.ROW_NAMES.index(row)][2]
-                       if "short_schedule" in repr(technique)]
+@pytest.mark.parametrize("short_schedule, peak", [(ablation.short_schedule, 1.4),  # its default peak
+                                                  (functools.partial(ablation.short_schedule, peak=1), 1)])
+def test_ablation_short_schedule_warms_up_over_5_percent_and_decays_in_a_line_to_0(short_schedule, peak,
+                                                                                    monkeypatch):
     short_schedule(monkeypatch.setattr)
     rates = opt5.onecycle_schedule(1.0, 100, CPU)
     assert rates.argmax().item() == 4 and rates.max().item() == pytest.approx(peak)  # the 5th of 100 steps
@@ -2247,19 +2310,20 @@ def test_ablation_batchnorm_row_steps_vectors_at_twice_the_rate_without_weight_d
     model = common.ResNet10()
     parameters = list(model.parameters())
     filters = [p for p in parameters if p.ndim == 4]
-    optimizer = opt5.Muon(filters, opt5.adamw([p for p in parameters if p.ndim != 4], 0.01, CPU),
-                          dtype=torch.float32, steps=3)
-    vectors, matrices = optimizer.param_groups[2]["params"], optimizer.param_groups[1]["params"]
+    # as opt5's main() builds them: Muon for the filters, AdamW (here the row's) for the rest
+    optimizers = [opt5.Muon(filters, torch.tensor(0.01), dtype=torch.float32, steps=3),
+                  opt5.adamw([p for p in parameters if p.ndim != 4], 0.01, CPU)]
+    vectors, matrices = optimizers[1].param_groups[1]["params"], optimizers[1].param_groups[0]["params"]
     assert vectors and all(p.ndim == 1 for p in vectors) and [p.ndim for p in matrices] == [2]
-    run = SimpleNamespace(optimizer=optimizer, scaler=torch.amp.GradScaler("cpu", enabled=False),
-                          plan=opt5.empty_plan(2, 8, SimpleNamespace(accum_steps=1), CPU))
+    run = SimpleNamespace(optimizers=optimizers, scaler=torch.amp.GradScaler("cpu", enabled=False),
+                          plan=opt5.empty_plan(2, SimpleNamespace(batch_size=8, accum_steps=1), CPU))
     run.plan.schedule.copy_(torch.tensor([0.004, 0.002]))
     before = [p.detach().clone() for p in (*vectors, *matrices)]
     for step in range(2):
         for parameter in parameters:
             parameter.grad = torch.zeros_like(parameter)  # no gradient: only weight decay moves a weight
         opt5.optimizer_step(run)  # opt5's own: the table's rate into every group, then the step
-        rates = [group["lr"].item() for group in optimizer.param_groups]
+        rates = [group["lr"].item() for optimizer in optimizers for group in optimizer.param_groups]
         assert rates == pytest.approx([0.004, 0.004, 0.008] if step == 0 else [0.002, 0.002, 0.004])
     assert all(torch.equal(p, b) for p, b in zip(vectors, before)), "no weight decay on the vectors"
     assert torch.allclose(matrices[0], before[-1] * (1 - 0.004 * 0.05) * (1 - 0.002 * 0.05))
@@ -2281,6 +2345,166 @@ def test_ablation_whitening_at_each_size_computes_the_stem_again_at_each_new_siz
         assert torch.equal(run.model.stem[0].weight[:54], expected), size
         computed.append(expected)
     assert trained == [16, 16, 24, 32] and not torch.equal(computed[0], computed[2])
+
+
+def test_ablation_batched_muon_steps_as_opt5s_muon_does_filter_by_filter(monkeypatch):
+    per_filter = opt5.Muon.step  # opt5's own, before the row replaces it
+    ablation.batched_muon(monkeypatch.setattr)
+    torch.manual_seed(0)
+    models = [common.ResNet10().double() for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())  # a copy: the same weights
+    filters = [[p for p in model.parameters() if p.ndim == 4] for model in models]
+    # float64 and one Newton-Schulz iteration a step (3 would run the same code on 3x the matmuls): ResNet10's 12
+    # filters, tall (the stem's) and wide, 1x1 and 3x3, in the row's 5 zero-padded batches
+    shipped, batched = (opt5.Muon(these, torch.tensor(0.02, dtype=torch.float64), steps=1, dtype=torch.float64)
+                        for these in filters)
+    stem, start = (filters[0][i].detach().clone() for i in (0, 1))
+    for step in range(3):
+        for mine, its in zip(*filters):
+            mine.grad = torch.randn_like(mine)
+            its.grad = mine.grad.clone()
+        for these in filters:
+            these[0].grad = None  # a filter without a gradient (a frozen stem) is skipped by both
+        per_filter(shipped)
+        batched.step()
+        assert max((mine - its).abs().max().item() for mine, its in zip(*filters)) < 1e-12, f"step {step + 1}"
+        # the momenta made at the first step only: a captured step would zero fresh copies of them at every replay
+        monkeypatch.setattr(torch, "zeros_like", lambda *args, **kwargs: pytest.fail("momenta made again"))
+    assert not torch.equal(filters[1][1], start), "the filters moved"
+    assert torch.equal(filters[0][0], stem) and torch.equal(filters[1][0], stem), "no gradient, no step"
+    assert len(batched.state) == 11 and all(torch.equal(batched.state[its]["momentum"], shipped.state[mine][
+        "momentum"]) for mine, its in zip(filters[0][1:], filters[1][1:]))
+
+
+def test_ablation_cudnn_benchmark_off_turns_the_autotuner_off_after_opt5_turns_it_on(monkeypatch):
+    source = inspect.getsource(opt5.main)  # opt5 turns it on just before it builds the model: the row's moment
+    assert source.index("torch.backends.cudnn.benchmark = True") < source.index("common.ResNet10()")
+    ablation.cudnn_benchmark_off(monkeypatch.setattr)
+    torch.backends.cudnn.benchmark = True
+    model = common.ResNet10()
+    assert torch.backends.cudnn.benchmark is False and sum(p.numel() for p in model.parameters()) == 4_903_242
+
+
+def test_ablation_cudnn_benchmark_at_the_largest_size_turns_it_on_only_in_the_full_size_epochs(monkeypatch):
+    seen = []
+    monkeypatch.setattr(opt5, "train_one_epoch", lambda run, train_data, epoch, monitor, size: seen.append(
+        (size, torch.backends.cudnn.benchmark)))
+    ablation.cudnn_benchmark_at_the_largest_size(monkeypatch.setattr)
+    run = SimpleNamespace(train_data=(torch.zeros(4, 3, 32, 32, dtype=torch.uint8), torch.zeros(4, dtype=torch.long)))
+    torch.backends.cudnn.benchmark = True  # as opt5 leaves it
+    sizes = opt5.image_sizes(20, 16, 32, 0.3)
+    for epoch, size in enumerate(sizes, 1):
+        opt5.train_one_epoch(run, run.train_data, epoch, NO_MONITOR, size)
+    assert seen == [(size, size == 32) for size in sizes] and sizes.count(32) == 6
+
+
+def test_ablation_one_warmup_step_captures_the_step_at_its_second_call(monkeypatch):
+    where, seen = {"stream": "default"}, []
+
+    @contextlib.contextmanager
+    def on(stream):  # torch.cuda.stream and torch.cuda.graph: the step inside runs there
+        before, where["stream"] = where["stream"], stream
+        try:
+            yield
+        finally:
+            where["stream"] = before
+
+    stream = SimpleNamespace(wait_stream=lambda other: None)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda side_stream: on("warm-up"))
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph: on("capture"))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: SimpleNamespace(replay=lambda: seen.append("replay")))
+    shipped = opt5.cuda_graph
+    ablation.one_warmup_step(monkeypatch.setattr)
+    calls = {}
+    for name, cuda_graph in (("opt5", shipped), ("row", opt5.cuda_graph)):
+        seen.clear()
+        step = cuda_graph(lambda: seen.append(where["stream"]))
+        for _ in range(5):
+            step()
+        calls[name] = list(seen)
+    # a capture runs none of the step's kernels: the graph replays them, at once
+    assert calls["row"] == ["warm-up", "capture", "replay", "replay", "replay", "replay"]
+    assert calls["opt5"] == ["warm-up"] * 3 + ["capture", "replay", "replay"]
+
+
+def test_ablation_lookahead_pulls_the_weights_to_their_average_every_5_steps_and_ends_on_it(monkeypatch):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    before, after = [], []  # the weights and BatchNorm statistics at each step's start and end
+
+    def floats():
+        return [tensor.clone() for tensor in model.state_dict().values() if tensor.is_floating_point()]
+
+    def step():  # a step: the weights and the BatchNorm statistics move
+        before.append(floats())
+        sgd.zero_grad()
+        model(torch.randn(8, 4)).square().mean().backward()
+        sgd.step()
+        after.append(floats())
+
+    def four_steps(run, train_data, epoch, monitor, size):
+        for _ in range(4):
+            run.train_steps[size]()
+
+    monkeypatch.setattr(opt5, "train_one_epoch", four_steps)
+    ablation.lookahead(monkeypatch.setattr)
+    run = SimpleNamespace(model=model, args=SimpleNamespace(epochs=2), schedule=torch.zeros(8), train_steps={32: step})
+    start = floats()
+    for epoch in (1, 2):
+        opt5.train_one_epoch(run, None, epoch, NO_MONITOR, 32)
+        if epoch == 1:
+            assert all(torch.equal(*pair) for pair in zip(floats(), after[3])), "no pull in the first 4 steps"
+
+    def same(these, those):
+        return all(torch.allclose(this, that, atol=1e-7) for this, that in zip(these, those))
+    weight = 0.95 ** 5 * (5 / 8) ** 3  # decay x (steps done / all steps)^3, after the 5th of 8 steps
+    pulled = [weight * first + (1 - weight) * fifth for first, fifth in zip(start, after[4])]
+    assert same(before[5], pulled) and not same(before[5], after[4]), "the 6th step starts from the pulled weights"
+    assert all(same(before[i], after[i - 1]) for i in (1, 2, 3, 4, 6, 7)), "no pull at other steps"
+    assert same(floats(), pulled) and same(run.lookahead["average"], pulled), "the last epoch ends on the average"
+    assert not same(floats(), after[7])
+
+
+def test_ablation_batchnorm_biases_only_freezes_every_scale_and_steps_biases_at_twice_the_rate_without_decay(
+        monkeypatch):
+    ablation.batchnorm_biases_only(monkeypatch.setattr)
+    torch.manual_seed(0)
+    model = common.ResNet10()
+    batchnorms = [module for module in model.modules() if isinstance(module, nn.BatchNorm2d)]
+    assert len(batchnorms) == 12 and all(not bn.weight.requires_grad and bn.bias.requires_grad for bn in batchnorms)
+    parameters = list(model.parameters())
+    optimizers = [opt5.Muon([p for p in parameters if p.ndim == 4], torch.tensor(0.01), dtype=torch.float32),
+                  opt5.adamw([p for p in parameters if p.ndim != 4], 0.01, CPU)]  # as opt5's main() builds them
+    no_decay = optimizers[1].param_groups[1]
+    biases = [bn.bias for bn in batchnorms] + [model.fc.bias]
+    assert no_decay["weight_decay"] == 0 and {id(p) for p in biases} <= {id(p) for p in no_decay["params"]}
+    run = SimpleNamespace(optimizers=optimizers, scaler=torch.amp.GradScaler("cpu", enabled=False),
+                          plan=opt5.empty_plan(1, SimpleNamespace(batch_size=4, accum_steps=1), CPU))
+    run.plan.schedule.copy_(torch.tensor([0.004]))
+    started = [bias.detach().clone() for bias in biases]
+    nn.functional.cross_entropy(model(torch.randn(4, 3, 16, 16)), torch.arange(4)).backward()
+    for parameter in parameters:
+        if parameter.ndim == 4:
+            parameter.grad = None  # Muon skips the filters: seconds of Newton-Schulz on a CPU, and not the row's change
+    opt5.optimizer_step(run)
+    assert [group["lr"].item() for optimizer in optimizers for group in optimizer.param_groups] == \
+        pytest.approx([0.004, 0.004, 0.008])
+    assert all(bn.weight.grad is None and bn.weight.eq(1).all() for bn in batchnorms), "the scales stay 1"
+    assert all(not torch.equal(bias, start) for bias, start in zip(biases, started)), "every bias steps"
+
+
+def test_ablation_epochs_at_each_size_trains_the_counts_and_exits_2_with_one_line_on_other_epochs(monkeypatch,
+                                                                                                 capsys):
+    ablation.epochs_at_each_size(monkeypatch.setattr, counts=(8, 4, 3))
+    assert opt5.image_sizes(15, 16, 32, 0.3) == [16] * 8 + [24] * 4 + [32] * 3
+    with pytest.raises(SystemExit) as exit_info:
+        opt5.image_sizes(20, 16, 32, 0.3)
+    stderr = capsys.readouterr().err
+    assert exit_info.value.code == 2 and stderr.count("\n") == 1, stderr
+    assert "trains 15 epochs" in stderr and "drop --epochs 20" in stderr
 
 
 def test_ablation_runs_its_rows_once_per_seed(tmp_path):
@@ -2363,6 +2587,62 @@ def test_ablation_runs_each_row_in_its_own_process_and_scores_three_ways(tmp_pat
             harness.modelled_h200_step_seconds(64, 32, muon=False) / 3))
         assert len(line["epochs"]) == 2 and line["epochs"][0]["test_images"] == 256
     assert result.stdout.count("row shipped: test acc") == 1 and "3 rows appended" in result.stdout
+
+
+# ablation.py launched through this wrapper, which puts a stand-in for ResNet10 (its stem and classifier, no blocks)
+# in common: main() launches each row as it was launched, so every row's process trains the stand-in, and a bundle's
+# 15 epochs of its batch of 512 take seconds on a CPU, not minutes
+STEM_ONLY = """
+import runpy, sys
+sys.path.insert(0, {root!r})
+import torch.nn as nn
+import common
+
+
+class StemOnly(nn.Module):
+    def __init__(self, num_classes=10):
+        super().__init__()
+        # ResNet10's stem filters (a whitening stem sets 54 of them), at stride 4: a 16th of the pixels after them
+        self.stem = nn.Sequential(nn.Conv2d(3, 64, 3, stride=4, padding=1, bias=False), nn.BatchNorm2d(64), nn.ReLU())
+        self.layers = nn.Sequential()  # no residual blocks
+        self.fc = nn.Linear(64, num_classes)
+
+    def forward(self, x):
+        return self.fc(nn.functional.adaptive_avg_pool2d(self.layers(self.stem(x)), 1).flatten(1))
+
+
+common.ResNet10 = StemOnly
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_ablation_runs_a_time_row_and_a_bundle_each_with_its_own_flags_over_the_flags_given(tmp_path):
+    out, weights, wrapper = tmp_path / "screen.jsonl", tmp_path / "weights.pt", tmp_path / "stem_only.py"
+    wrapper.write_text(STEM_ONLY.format(root=str(ROOT)))
+    given = ["--epochs", "2", "--batch-size", "16", "--label-smoothing", "0", "--train-size", "512",
+             "--monitor-size", "16", "--save", str(weights), *SMALL, "--test-size", "64"]
+    # one thread: the stand-in's ops take microseconds, and threads of one op wait on each other on a busy machine
+    result = run_script(wrapper, "ablation.py", "--rows", "one-warmup-step", "fifteen-epochs+all", "--json", out,
+                        *given, env={"OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line["row"] for line in lines] == ["one-warmup-step", "fifteen-epochs+all"]
+    assert [line["command"] for line in lines] == [f"python ablation.py --rows {line['row']} {shlex.join(given)}"
+                                                   for line in lines]
+    settings = [{name: line["settings"][name] for name in ("epochs", "batch_size", "lr", "label_smoothing")}
+                for line in lines]
+    # the time row runs the flags given; the bundle its own schedule (15 epochs of 512) and smoothing over them
+    assert settings == [{"epochs": 2, "batch_size": 16, "lr": 0.016, "label_smoothing": 0.0},
+                        {"epochs": 15, "batch_size": 512, "lr": 0.016, "label_smoothing": 0.2}]
+    assert [epoch["image_size"] for epoch in lines[0]["epochs"]] == [16, 32]
+    assert [epoch["image_size"] for epoch in lines[1]["epochs"]] == [16] * 8 + [24] * 4 + [32] * 3  # (8, 4, 3)
+    assert [epoch["steps"] for epoch in lines[1]["epochs"]] == [1] * 15
+    assert all(0 <= line[views] <= 1 for line in lines for views in ("1_view", "2_views", "6_views"))
+    # the bundle's last weights (--save, the last row's): BatchNorm's scales frozen at 1, its biases trained
+    state = torch.load(weights)
+    assert state["stem.1.weight"].eq(1).all() and state["stem.1.bias"].ne(0).any()
+    assert "2 rows appended" in result.stdout and "step: run as a function" in result.stdout
 
 
 @pytest.mark.parametrize("args, says", [
@@ -2678,9 +2958,9 @@ def test_plot_reads_muon_against_adamw_at_equal_time_and_the_cost_of_its_step(ta
     # ms per step at each size from each optimizer's longest run; the update's FLOPs counted by torch
     assert "16x16: 128 and 160 ms (Muon's update 20% of its step); 24x24: 192 and 240 ms" in tables
     flops = re.findall(r"Muon's update with (\d) Newton-Schulz steps: ([\d.]+) GFLOP per step", tables)
-    # Newton-Schulz on the 12 filters in 5 zero-padded batches; each step's work is the same
-    assert [steps for steps, _ in flops] == ["5", "3"] and float(flops[0][1]) == pytest.approx(61.9, abs=0.1)
-    assert float(flops[1][1]) == pytest.approx(61.9 * 3 / 5, rel=0.01)
+    # Newton-Schulz on each of the 12 filters alone (opt5's loop); each step's work is the same
+    assert [steps for steps, _ in flops] == ["5", "3"] and float(flops[0][1]) == pytest.approx(45.5, abs=0.1)
+    assert float(flops[1][1]) == pytest.approx(45.5 * 3 / 5, rel=0.01)
     assert "the training step's 49 at 16x16, 109 at 24x24, 194 at 32x32 GFLOP" in tables
 
 
@@ -3064,11 +3344,24 @@ def test_opt6_without_torchrun_on_several_gpus_points_to_torchrun(monkeypatch, c
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    assert opt6.setup_distributed(CPU) == (0, 1, CPU) and capsys.readouterr().out == ""
+    monkeypatch.setattr(sys, "argv", ["opt6.py"])  # the hint names the script that was started
     cuda = torch.device("cuda")
-    assert opt6.setup_distributed(cuda) == (0, 1, cuda)
-    assert capsys.readouterr().out == ("4 GPUs here, and one process uses one: to use them all, start torchrun "
-                                       "--standalone --nproc_per_node=4 opt6.py ...\n")
+    assert opt6.setup_distributed(CPU) == (0, 1, CPU) and opt6.setup_distributed(cuda) == (0, 1, cuda)
+    hint = "4 GPUs here, and one process uses one: to use them all, start torchrun --standalone --nproc_per_node=4 " \
+           "opt6.py ...\n"
+    for device, world_size, says in ((CPU, 1, ""), (cuda, 2, ""), (cuda, 1, hint)):
+        harness.point_to_torchrun(device, world_size)
+        assert capsys.readouterr().out == says, (device, world_size)
+
+    class SettingsLine(Exception):
+        pass
+
+    # opt6's main says it once the device is known, before the settings line (where this test stops it)
+    monkeypatch.setattr(harness, "pick_device", lambda args: cuda)
+    monkeypatch.setattr(harness, "print_settings", lambda *args: (_ for _ in ()).throw(SettingsLine()))
+    with pytest.raises(SettingsLine):
+        opt6.main()
+    assert capsys.readouterr().out == hint
 
 
 def test_opt6_a_local_rank_past_the_visible_gpus_exits_2_with_one_line():
@@ -3116,14 +3409,15 @@ RecordCudaCalls().__enter__()
 
 def test_opt6_each_rank_sets_its_own_gpu_before_any_cuda_work_the_compiler_check_included():
     # torchrun's second process on a machine with 2 GPUs: everything it does on a GPU must be on GPU 1. Before it, the
-    # architecture check reads each GPU's capability (a property, no work on it)
+    # architecture check reads each GPU's capability, and the compiler check GPU 1's, by its number (properties, no
+    # work on a GPU); then opt6's setup makes GPU 1 current before the process group, its first CUDA work
     env = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9"}
     patches = VISIBLE_GPU.format(count=2, capability=90, name="NVIDIA H100 80GB HBM3") + RECORD_CUDA_CALLS
     result = run_on_fake_machine(patches, "opt6.py", *NO_DATA, "--compile", env=env)
     assert result.returncode == 0, result.stderr
     calls = json.loads(result.stderr.strip().splitlines()[-1])
-    assert calls == [["get_device_capability", 0], ["get_device_capability", 1], ["set_device", 1],
-                     ["get_device_capability", 1], ["init_process_group", 1]], calls
+    assert calls == [["get_device_capability", 0], ["get_device_capability", 1], ["get_device_capability", 1],
+                     ["set_device", 1], ["init_process_group", 1]], calls
 
 
 def test_under_torchrun_only_rank_0_prints_a_verdict_and_a_fatal_one_ends_every_rank(monkeypatch, capsys):
@@ -3159,15 +3453,16 @@ def test_a_gpu_captures_the_step_uncompiled_and_a_cpu_runs_it_uncompiled(script,
 
 
 def test_ddp_buffer_flag_is_named_as_this_torch_names_it(monkeypatch):
-    flag = harness.no_buffer_broadcast()
-    assert list(flag.values()) == [False]
-    assert set(flag) <= set(inspect.signature(opt6.DistributedDataParallel).parameters)
+    keyword = harness.broadcast_buffers_keyword()
+    assert keyword in inspect.signature(opt6.DistributedDataParallel).parameters
+    expected = "forward_sync_buffers" if harness.torch_version() >= (2, 13) else "broadcast_buffers"
+    assert keyword == expected
 
     def ddp_before_2_13(module, device_ids=None, broadcast_buffers=True, gradient_as_bucket_view=False):
         pass
 
     monkeypatch.setattr(harness, "DistributedDataParallel", ddp_before_2_13)
-    assert harness.no_buffer_broadcast() == {"broadcast_buffers": False}
+    assert harness.broadcast_buffers_keyword() == "broadcast_buffers"
 
 
 def free_port():
@@ -3191,10 +3486,10 @@ DATA_TURN = """
 import json, os, sys, time
 sys.path.insert(0, {root!r})
 import torch.distributed as dist
-import opt6
+import harness
 
 dist.init_process_group("gloo")
-with opt6.rank_zero_first(dist.get_world_size()):
+with harness.rank_zero_first(dist.get_world_size()):
     start = time.time()
     time.sleep(0.5)  # a download
     end = time.time()
@@ -3230,12 +3525,13 @@ def test_opt6_two_nodes_on_one_machine_finish_with_identical_weights_and_one_rep
 
 
 def test_opt6_rank_shares_are_disjoint_and_cover_the_epoch():
-    def share(rank):
-        args = SimpleNamespace(batch_size=8, accum_steps=1)
-        run = SimpleNamespace(args=args, device=CPU, rank=rank, world_size=2, plan=opt6.empty_plan(6, 8, args, CPU),
+    def share(rank, world_size=2, batch_size=8, module=opt6):
+        args = SimpleNamespace(batch_size=batch_size, accum_steps=1)
+        run = SimpleNamespace(args=args, device=CPU, rank=rank, world_size=world_size,
+                              plan=module.empty_plan(6, args, CPU),
                               generator=torch.Generator().manual_seed(0),  # every rank seeds alike
-                              augment_generator=torch.Generator().manual_seed(rank), schedule=[torch.zeros(6)])
-        opt6.plan_epoch(run, 100, 1)
+                              crop_padding=common.CROP_PADDING, schedule=torch.zeros(6))
+        module.plan_epoch(run, 100, 1)
         return run.plan
 
     first, second = share(0), share(1)
@@ -3243,6 +3539,12 @@ def test_opt6_rank_shares_are_disjoint_and_cover_the_epoch():
     seen = first.batches.flatten().tolist() + second.batches.flatten().tolist()
     assert len(set(seen)) == 96, "no image twice; 100 - 96 left over for a full global batch of 16"
     assert not torch.equal(first.offsets, second.offsets), "each rank its own crops"
+    # Each rank's share is its slice of every global batch of the one epoch that one process (opt5's) draws
+    whole = share(0, world_size=1, batch_size=16, module=opt5)
+    for name, dimension in (("batches", 1), ("offsets", 2), ("flips", 1)):
+        shares = torch.cat([getattr(first, name), getattr(second, name)], dimension)
+        assert torch.equal(shares, getattr(whole, name)), name
+    assert all(torch.equal(getattr(share(0, 1, 16), name), getattr(whole, name)) for name in ("batches", "offsets"))
 
 
 INSTRUMENTED_RANK = """
@@ -3252,7 +3554,7 @@ import torch, torch.distributed as dist, torch.nn as nn
 import common, opt6
 
 rank, out = os.environ["RANK"], sys.argv.pop(1)
-record = {{"shares": [], "allreduce_at_micro_batch": [], "load": None, "evaluated": [], "exit": []}}
+record = {{"shares": [], "allreduce_at_micro_batch": [], "load": None, "evaluated": [], "exit": [], "ddp": None}}
 micro_batches = [0]
 
 
@@ -3267,7 +3569,7 @@ class BatchNormFreeNet(nn.Sequential):  # float32 and no BatchNorm: accumulation
 
 common.ResNet10 = BatchNormFreeNet
 torch.autocast = lambda *args, **kwargs: contextlib.nullcontext()
-opt6.augment = lambda images, offsets, flips: images  # crops differ per micro-batch: leave images as they are
+opt6.augment = lambda images, *crops_and_flips: images  # crops differ per micro-batch: leave images as they are
 
 real_plan_epoch, real_load_data, RealDDP = opt6.plan_epoch, common.load_data, opt6.DistributedDataParallel
 real_normalize = opt6.normalize
@@ -3288,6 +3590,7 @@ def load_data(*args, **kwargs):
 
 
 def counting_ddp(*args, **kwargs):
+    record["ddp"] = {{name: value for name, value in kwargs.items() if isinstance(value, bool)}}
     model = RealDDP(*args, **kwargs)
 
     def hook(state, bucket):  # DDP's all-reduce of a bucket (the mean of the ranks' gradients), counted
@@ -3394,6 +3697,14 @@ def test_opt6_all_reduces_once_per_optimizer_step_not_per_micro_batch(accumulati
             assert len(set(per_step.values())) == 1, "the same buckets every step"
 
 
+def test_opt6_wraps_the_model_with_gradients_in_ddps_buckets_and_no_buffer_broadcast_before_each_forward(
+        accumulating_ddp_runs):
+    # The BatchNorm statistics are averaged once per evaluation instead (the ranks' checksums cover the buffers)
+    for run in accumulating_ddp_runs.values():
+        for rank in run.ranks:
+            assert rank["ddp"] == {"gradient_as_bucket_view": True, harness.broadcast_buffers_keyword(): False}
+
+
 def test_opt6_ranks_train_on_disjoint_shares_that_cover_the_epoch(accumulating_ddp_runs):
     for run in accumulating_ddp_runs.values():
         first, second = (rank["shares"][0] for rank in run.ranks)
@@ -3419,7 +3730,7 @@ def test_opt6_ranks_evaluate_disjoint_slices_that_cover_the_test_set_and_score_a
 
 
 def test_opt6_keeps_its_last_barriers_handle_until_its_process_group_is_destroyed(accumulating_ddp_runs):
-    # The hang opt6's main comments on, made to happen every time (torch 2.6, Gloo, 2 ranks, not project code): a
+    # The hang harness.leave_process_group keeps away, made to happen every time (torch 2.6, Gloo, 2 ranks, not project code): a
     # rank starts an all-reduce, drops its tensor, starts a barrier and drops the barrier's handle, then destroys the
     # process group: 5 hangs in 5 runs, gdb showing the main thread in ~ProcessGroupGloo joining a worker thread
     # that waits for the GIL in ~TensorImpl; with the handle kept past destroy_process_group, 4 ends in 4
@@ -3439,11 +3750,11 @@ import opt6
 
 if os.environ["RANK"] == "1":  # rank 1 dies in its third step while rank 0 waits in an all-reduce
     calls, real_augment = [], opt6.augment
-    def augment(images, offsets, flips):
+    def augment(*args):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("injected failure on rank 1")
-        return real_augment(images, offsets, flips)
+        return real_augment(*args)
     opt6.augment = augment
 sys.argv[0] = "opt6.py"
 opt6.main()
