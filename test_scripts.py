@@ -31,18 +31,19 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
-import ablation
-import baseline
-import benchmark
-import common
-import harness
-import opt1
-import opt2
-import opt3
-import opt4
-import opt5
-import opt6
-import plot
+sys.path.insert(0, str(Path(__file__).resolve().parent / "tools"))  # plot.py, ablation.py: the tools
+import ablation  # noqa: E402
+import baseline  # noqa: E402
+import benchmark  # noqa: E402
+import common  # noqa: E402
+import harness  # noqa: E402
+import opt1  # noqa: E402
+import opt2  # noqa: E402
+import opt3  # noqa: E402
+import opt4  # noqa: E402
+import opt5  # noqa: E402
+import opt6  # noqa: E402
+import plot  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 SCRIPTS = {"baseline.py": baseline, "opt1.py": opt1, "opt2.py": opt2, "opt3.py": opt3, "opt4.py": opt4}
@@ -1445,8 +1446,8 @@ def test_the_default_path_compiles_nothing(default_run, request):
 
 def eager_ops_per_step(trace_folder):
     """Kernel-launching ops each traced training step runs outside compiled code, from a --profile trace, by the rule
-    of results/eager_ops.py (the counter the results page uses). Returns each step's count and its ops by name."""
-    spec = importlib.util.spec_from_file_location("eager_ops", ROOT / "results" / "eager_ops.py")
+    of tools/eager_ops.py (the counter the results page uses). Returns each step's count and its ops by name."""
+    spec = importlib.util.spec_from_file_location("eager_ops", ROOT / "tools" / "eager_ops.py")
     eager_ops = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(eager_ops)
     steps, counted = eager_ops.counted_ops(eager_ops.complete_events(eager_ops.trace_file(str(trace_folder))))
@@ -2509,7 +2510,7 @@ def test_ablation_epochs_at_each_size_trains_the_counts_and_exits_2_with_one_lin
 
 def test_ablation_runs_its_rows_once_per_seed(tmp_path):
     out = tmp_path / "seeds.jsonl"
-    result = run_script("ablation.py", "--rows", "shipped", "--seeds", 3, 4, "--json", out, "--epochs", 2,
+    result = run_script("tools/ablation.py", "--rows", "shipped", "--seeds", 3, 4, "--json", out, "--epochs", 2,
                         "--train-size", 256, "--batch-size", 64, *SMALL)
     assert result.returncode == 0, result.stderr
     lines = [json.loads(line) for line in out.read_text().splitlines()]
@@ -2566,7 +2567,7 @@ def test_ablation_shifts_move_the_image_one_pixel_and_reflect_the_edge():
 
 def test_ablation_runs_each_row_in_its_own_process_and_scores_three_ways(tmp_path):
     out = tmp_path / "ablation.jsonl"
-    result = run_script("ablation.py", "--rows", "shipped", "ema", "smoothing-0", "--json", out, "--epochs", 2,
+    result = run_script("tools/ablation.py", "--rows", "shipped", "ema", "smoothing-0", "--json", out, "--epochs", 2,
                         "--train-size", 1024, "--batch-size", 64, "--label-smoothing", 0.2, "--no-compile", *SMALL)
     assert result.returncode == 0, result.stderr
     lines = [json.loads(line) for line in out.read_text().splitlines()]
@@ -2578,7 +2579,7 @@ def test_ablation_runs_each_row_in_its_own_process_and_scores_three_ways(tmp_pat
     assert shipped["2_views"] == shipped["final_test_accuracy"], "2 views is opt5's own evaluation"
     assert shipped["2_views"] > 0.3, "it learns (10 classes)"
     for line in lines:
-        assert line["command"].startswith(f"python ablation.py --rows {line['row']} --epochs 2")
+        assert line["command"].startswith(f"python tools/ablation.py --rows {line['row']} --epochs 2")
         assert all(0 <= line[views] <= 1 for views in ("1_view", "2_views", "6_views"))
         assert line["launch_to_result_6_views_seconds"] == line["launch_to_result_seconds"] + \
             line["extra_view_seconds"] > line["launch_to_result_seconds"]
@@ -2623,12 +2624,12 @@ def test_ablation_runs_a_time_row_and_a_bundle_each_with_its_own_flags_over_the_
     given = ["--epochs", "2", "--batch-size", "16", "--label-smoothing", "0", "--train-size", "512",
              "--monitor-size", "16", "--save", str(weights), *SMALL, "--test-size", "64"]
     # one thread: the stand-in's ops take microseconds, and threads of one op wait on each other on a busy machine
-    result = run_script(wrapper, "ablation.py", "--rows", "one-warmup-step", "fifteen-epochs+all", "--json", out,
+    result = run_script(wrapper, "tools/ablation.py", "--rows", "one-warmup-step", "fifteen-epochs+all", "--json", out,
                         *given, env={"OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [line["row"] for line in lines] == ["one-warmup-step", "fifteen-epochs+all"]
-    assert [line["command"] for line in lines] == [f"python ablation.py --rows {line['row']} {shlex.join(given)}"
+    assert [line["command"] for line in lines] == [f"python tools/ablation.py --rows {line['row']} {shlex.join(given)}"
                                                    for line in lines]
     settings = [{name: line["settings"][name] for name in ("epochs", "batch_size", "lr", "label_smoothing")}
                 for line in lines]
@@ -2653,14 +2654,14 @@ def test_ablation_runs_a_time_row_and_a_bundle_each_with_its_own_flags_over_the_
 ])
 def test_ablation_bad_input_exits_2_with_one_line_before_any_row(args, says, tmp_path):
     args = [arg.replace("{missing}", str(tmp_path / "missing")) for arg in args]
-    result = run_script("ablation.py", *args, "--json", tmp_path / "out.jsonl", *SMALL) if "--json" not in args \
-        else run_script("ablation.py", *args, *SMALL)
+    result = run_script("tools/ablation.py", *args, "--json", tmp_path / "out.jsonl", *SMALL) if "--json" not in args \
+        else run_script("tools/ablation.py", *args, *SMALL)
     assert result.returncode == 2 and result.stdout == "", result.stdout
     assert result.stderr.count("\n") == 1 and says in result.stderr, result.stderr
 
 
 def test_ablation_help_names_every_row_and_its_flags_defaults():
-    result = run_script("ablation.py", "--help")
+    result = run_script("tools/ablation.py", "--help")
     assert result.returncode == 0
     text = re.sub(r"-\s+", "-", " ".join(result.stdout.split()))  # argparse wraps lines at hyphens
     assert all(name in text for name in ablation.ROW_NAMES)
@@ -2808,7 +2809,7 @@ def write_plot_fixture(folder):
 @pytest.fixture(scope="module")
 def tables(tmp_path_factory):
     """What `plot.py --tables` prints for the fixture's data (run once: each run counts Muon's FLOPs)."""
-    result = run_script("plot.py", "--tables", *write_plot_fixture(tmp_path_factory.mktemp("plot")))
+    result = run_script("tools/plot.py", "--tables", *write_plot_fixture(tmp_path_factory.mktemp("plot")))
     assert result.returncode == 0, result.stderr
     return result.stdout
 
@@ -2817,7 +2818,7 @@ def test_plot_draws_the_figures_from_json_lines(tmp_path):
     pytest.importorskip("matplotlib", reason="plot.py needs matplotlib (pip install -r requirements-dev.txt)")
     data = write_plot_fixture(tmp_path)
     gpu, cpu = tmp_path / "figure.png", tmp_path / "cpu.png"
-    result = run_script("plot.py", *data, "--out", gpu, "--cpu-out", cpu)
+    result = run_script("tools/plot.py", *data, "--out", gpu, "--cpu-out", cpu)
     assert result.returncode == 0, result.stderr
     for out in (gpu, cpu):
         assert out.read_bytes().startswith(b"\x89PNG") and 10_000 < out.stat().st_size < 200_000
@@ -2888,10 +2889,10 @@ def test_plot_draws_and_tables_a_ladder_from_a_cpu_without_a_bfloat16_unit(tmp_p
     ladder.update(bf16_peak_tflops=None, float32_peak_tflops=0.18)  # what benchmark.py writes on such a CPU
     ladder["rows"] = [{**row, "percent_of_bf16_peak": None} for row in ladder["rows"]]
     (tmp_path / "ladder.jsonl").write_text(json.dumps(ladder) + "\n")
-    tables = run_script("plot.py", "--tables", *data)
+    tables = run_script("tools/plot.py", "--tables", *data)
     assert tables.returncode == 0, tables.stderr
     assert "| opt4 | 300 | 1000.0 | 0.5 | 1.00 | 0.450 | n/a |" in tables.stdout
-    assert run_script("plot.py", *data, "--out", tmp_path / "figure.png", "--cpu-out", tmp_path / "cpu.png"
+    assert run_script("tools/plot.py", *data, "--out", tmp_path / "figure.png", "--cpu-out", tmp_path / "cpu.png"
                       ).returncode == 0
 
 
@@ -2984,15 +2985,15 @@ def test_plot_tables_each_cpus_muon_runs_with_the_seeds_means_at_equal_time(tabl
 def test_plot_without_matplotlib_says_how_to_install_it(tmp_path):
     data = write_plot_fixture(tmp_path)
     hide_matplotlib = "import runpy, sys; sys.modules['matplotlib'] = None; sys.argv = sys.argv[1:]; " \
-                      "runpy.run_path('plot.py', run_name='__main__')"
-    result = run_script("-c", hide_matplotlib, "plot.py", *data, "--out", tmp_path / "figure.png",
+                      "runpy.run_path('tools/plot.py', run_name='__main__')"
+    result = run_script("-c", hide_matplotlib, "tools/plot.py", *data, "--out", tmp_path / "figure.png",
                         "--cpu-out", tmp_path / "cpu.png")
     assert result.returncode == 2 and result.stderr.count("\n") == 1
     assert "pip install matplotlib" in result.stderr
 
 
 def test_plot_names_a_missing_data_file(tmp_path):
-    result = run_script("plot.py", "--runs", tmp_path / "none.jsonl")
+    result = run_script("tools/plot.py", "--runs", tmp_path / "none.jsonl")
     assert result.returncode == 2 and "none.jsonl" in result.stderr and "Traceback" not in result.stderr
 
 
@@ -3023,8 +3024,9 @@ def test_plot_reads_older_rows_by_todays_names_and_diffs_a_script_under_its_name
                             text=True, check=True).stdout.strip()
     (tmp_path / "opt4.py").write_text("step = 'captured'\nharness.report(run, extra={})\n")
     (tmp_path / "opt5.py").write_text("step = 'recipe'\n")
-    shutil.copy(ROOT / "plot.py", tmp_path / "plot.py")  # changed_since reads git and the scripts beside plot.py
-    spec = importlib.util.spec_from_file_location("plot_in_the_older_checkout", tmp_path / "plot.py")
+    (tmp_path / "tools").mkdir()  # changed_since reads git and the scripts in the folder above plot.py's
+    shutil.copy(ROOT / "tools" / "plot.py", tmp_path / "tools" / "plot.py")
+    spec = importlib.util.spec_from_file_location("plot_in_the_older_checkout", tmp_path / "tools" / "plot.py")
     plot_there = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plot_there)
     assert plot_there.changed_since(commit, {"opt4.py": "opt3.py", "opt5.py": "opt4.py"}) == []

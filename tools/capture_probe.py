@@ -5,7 +5,7 @@ step (compile, cuDNN autotuning, warm-up, capture) and the steady ms a step (med
 events). The step is opt4's in outline (a batch gathered from uint8 images on the GPU and normalized, bfloat16
 autocast, channels_last, label smoothing 0.1, fused AdamW with its rate in a tensor), not opt4's own code.
 
-    python results/capture_probe.py [--compiled]
+    python tools/capture_probe.py [--compiled]
 
 On a CPU it runs one tiny configuration uncaptured, as a rehearsal.
 """

@@ -2,7 +2,7 @@
 one process, in alternating blocks (so whatever else the machine does falls on both alike), and what compiling costs
 the first time (run it with an empty inductor cache, as a first run meets it):
 
-    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python results/compile_cpu.py
+    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python tools/compile_cpu.py
 
 Random images and a random ResNet10 at opt4's defaults (batch 128, bfloat16 where the CPU has a unit for it): the work
 does not depend on the values. The last line projects opt4's default run (--epochs 5: 1,950 steps, 5 evaluations of
@@ -86,5 +86,5 @@ for mode in runs:
                        + compiling)
     print(f"{mode}: compiling and warm-up {compiling:.1f} s; opt4 --epochs 5 projected: {projected[mode]:.0f} s of "
           f"steps, evaluations and compiling")
-print(f"compiled / eager, ms a step: {statistics.median(step_ms['compiled']) / statistics.median(step_ms['eager']):.3f}; "
-      f"projected run: {projected['compiled'] / projected['eager']:.3f}")
+step_ratio = statistics.median(step_ms['compiled']) / statistics.median(step_ms['eager'])
+print(f"compiled / eager, ms a step: {step_ratio:.3f}; projected run: {projected['compiled'] / projected['eager']:.3f}")

@@ -8,7 +8,7 @@ recipe, a 1,000-image test subset after epochs 1-19 at their sizes (16 px x7, 24
 
 One small compile runs first in both, as opt5's step compiles before any evaluation (inductor's start-up). Run each
 mode in its own process with an empty inductor cache, as a first run meets it:
-    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python results/evaluations.py compiled
+    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python tools/evaluations.py compiled
 """
 import sys
 import time

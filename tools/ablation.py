@@ -1,8 +1,8 @@
 """ablation.py: opt5 with one technique switched per row (or a bundle of them), each row its own run, as data.
 
-    python ablation.py --data-dir ./data --rows shipped adamw smoothing-0    # appends to results/recipe.jsonl
-    python ablation.py --rows shipped ema --synthetic --epochs 2 --train-size 2048 --json /tmp/ablation.jsonl
-    python plot.py --tables                                                  # the tables, with the other results
+    python tools/ablation.py --data-dir ./data --rows shipped adamw smoothing-0    # appends to results/recipe.jsonl
+    python tools/ablation.py --rows shipped ema --synthetic --epochs 2 --train-size 2048 --json /tmp/ablation.jsonl
+    python tools/plot.py --tables                                                  # the tables, with the other results
 
 Each row runs opt5.py's own main() in a fresh process (launched as this one was) with one change applied from
 outside, so opt5.py keeps only what earns its place. After training, every row scores its final weights on the
@@ -32,9 +32,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import common
-import harness
-import opt5
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the chain, common.py and harness.py
+import common  # noqa: E402
+import harness  # noqa: E402
+import opt5  # noqa: E402
 
 
 # ------------------------------------------------------------------------- the techniques
@@ -492,7 +493,7 @@ def run_row(name, opt5_flags, json_path):
     print(f"row {name}: test acc {100 * scores['1_view']:.2f}% from 1 view, {100 * scores['2_views']:.2f}% from 2, "
           f"{100 * scores['6_views']:.2f}% from 6 (+{scores['extra_view_seconds']:.0f} s) | "
           f"{report['launch_to_result_seconds']:.0f} s from launch to result", flush=True)
-    line = {**report, "command": shlex.join(["python", "ablation.py", "--rows", name, *opt5_flags]), "row": name,
+    line = {**report, "command": shlex.join(["python", "tools/ablation.py", "--rows", name, *opt5_flags]), "row": name,
             "change": change, **scores, "launch_to_result_6_views_seconds": with_extra_views,
             "modelled_h200_6_views_seconds": report["modelled_h200_seconds"] + modelled_views}
     with open(json_path, "a") as file:
@@ -513,7 +514,7 @@ def main():
         if returncode != 0:
             common.fail(f"row {name} ended with exit code {returncode}; the rows before it are in {args.json}",
                         code=returncode)
-    print(f"\n{len(runs)} rows appended to {args.json}; `python plot.py --tables` prints them as a table")
+    print(f"\n{len(runs)} rows appended to {args.json}; `python tools/plot.py --tables` prints them as a table")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 torchvision's constructor, which md5s all six files for each set at every load. With a copy whose bytes are not the
 official ones (as here) torchvision's check would fail: each md5 is computed, then taken as a pass.
 
-    python results/data_load.py DATA_DIR
+    python tools/data_load.py DATA_DIR
 """
 import sys
 import time

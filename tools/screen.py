@@ -1,8 +1,8 @@
 """screen.py: one device call screens the recipe's next seconds: ablation.py's rows in two stages under one deadline,
 then the rules below decide, by themselves, what is kept.
 
-    python screen.py run --device cuda --data-dir ./data --json results/screen-gpu.jsonl    # one GPU call, ~8 min
-    python screen.py decide results/screen-gpu.jsonl                                        # the rules, again, later
+    python tools/screen.py run --device cuda --data-dir ./data --json results/screen-gpu.jsonl   # one GPU call, ~8 min
+    python tools/screen.py decide results/screen-gpu.jsonl                                  # the rules, again, later
 
 Where the recipe's seconds go on an H200 (opt5's defaults: 20 epochs of batch 512, 7/7/6 at 16/24/32 px, Muon):
 ~15 s from launch, of which 3.3 s before the first step, ~4 s in the first epoch at each image size above its steady
@@ -39,17 +39,17 @@ The rules (each a function below; the thresholds are the constants under RULES):
 A rule with too few runs (the recipe's 2 held-out runs, a row's run, a bundle's 5 test-set seeds) says "not decided"
 and why, rather than guess.
 
-On a GPU, in one call: `python screen.py run --device cuda --data-dir ./data --json results/screen-gpu.jsonl`. Each
-run is one `ablation.py --row NAME --seed S [--validation 5000] --json OUT` process (the row in that process: one
-start of Python and torch a run), most valuable first, and each appends ablation.py's own line to OUT; flags screen.py does
-not know go to every run (opt5's: --device, --data-dir, ...). Before each run it checks the run fits in the time left
-to --deadline (seconds since screen.py started, default 480: a 10-minute call with room to spare), by the longest
-run so far (20 s before the first); when not, it stops and names what it skipped, and a run still going at the
-deadline is stopped. It prints a line before each run, the runs' own output, then the phases of every row and one
-line per decision: kept, dropped or not decided, with the figures behind it (from this call's rows: OUT may hold
-earlier ones). A run that fails is named and the screen goes on without it, then exits 1. Bring OUT back; `python
-screen.py decide OUT` prints the decisions from all its rows (with --recipe-mean or --recipe-changed if the recipe moved
-on, --time-rows and --bundles if the run named other rows).
+On a GPU, in one call: `python tools/screen.py run --device cuda --data-dir ./data --json results/screen-gpu.jsonl`.
+Each run is one `tools/ablation.py --row NAME --seed S [--validation 5000] --json OUT` process (the row in that
+process: one start of Python and torch a run), most valuable first, and each appends ablation.py's own line to OUT;
+flags screen.py does not know go to every run (opt5's: --device, --data-dir, ...). Before each run it checks the run
+fits in the time left to --deadline (seconds since screen.py started, default 480: a 10-minute call with room to
+spare), by the longest run so far (20 s before the first); when not, it stops and names what it skipped, and a run
+still going at the deadline is stopped. It prints a line before each run, the runs' own output, then the phases of
+every row and one line per decision: kept, dropped or not decided, with the figures behind it (from this call's rows:
+OUT may hold earlier ones). A run that fails is named and the screen goes on without it, then exits 1. Bring OUT
+back; `python tools/screen.py decide OUT` prints the decisions from all its rows (with --recipe-mean or
+--recipe-changed if the recipe moved on, --time-rows and --bundles if the run named other rows).
 """
 import argparse
 import json
@@ -60,13 +60,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import ablation
-import common
-import harness
-import opt5
+# the chain, common.py and harness.py; and ablation.py beside this file, however this file is run
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
+import ablation  # noqa: E402
+import common  # noqa: E402
+import harness  # noqa: E402
+import opt5  # noqa: E402
 
-# The folder of ablation.py; the one line to change if this file moves (to tools/: .parent.parent)
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent  # tools/, beside ablation.py
 ABLATION = ROOT / "ablation.py"
 
 # The rows: ablation.py's

@@ -1,7 +1,7 @@
 """plot.py: draw the README's figures from the measured data in results/.
 
-    python plot.py            # each script's newest H200 row (GPU_RUNS) -> results/chain.png; the CPU runs -> results/cpu.png
-    python plot.py --tables   # the same data, and ablation.py's rows, as the markdown tables of results/README.md
+    python tools/plot.py            # each script's newest H200 row (GPU_RUNS) -> results/chain.png; CPU runs -> cpu.png
+    python tools/plot.py --tables   # the same data, and ablation.py's rows, as the markdown tables of results/README.md
 
 chain.png, the GPU's: each script's steady images/s at its defaults, and where each run's seconds from launch to
 result went (before the first epoch, the first epoch with its warm-up, the rest), with its test accuracy and commit.
@@ -18,12 +18,15 @@ import re
 import shlex
 import statistics
 import subprocess
+import sys
 from pathlib import Path
 
-import ablation
-import benchmark
-import common
-import harness
+# the chain, common.py and harness.py; and ablation.py beside this file, however this file is run
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
+import ablation  # noqa: E402
+import benchmark  # noqa: E402
+import common  # noqa: E402
+import harness  # noqa: E402
 
 CHAIN = ["baseline.py", "opt1.py", "opt2.py", "opt3.py", "opt4.py"]
 CONVERGENCE = ["opt4.py", "opt5.py"]  # the step opt5 takes, and the rung it is measured against
@@ -135,7 +138,7 @@ def gpu_table(runs):
     """benchmark.chain_table of `runs` (gpu_runs') with each row's commit in a last column."""
     lines = benchmark.chain_table(runs).splitlines()
     return "\n".join([lines[0] + " commit |", lines[1] + "---|",
-                      *(line + f" {script_runs[0]['commit']} |" for line, script_runs in zip(lines[2:], runs.values()))])
+                      *(f"{line} {script_runs[0]['commit']} |" for line, script_runs in zip(lines[2:], runs.values()))])
 
 
 # The call that writes a run's report: a script changed in it alone trains as it did
@@ -146,7 +149,7 @@ def changed_since(commit, names):
     """The scripts whose code today differs from `commit`'s in more than their report call; `names` gives each
     (today's name) its name at that commit, the one its rows ran under (`scripts_then`). None where git, the commit or
     the file then is not at hand (common.py and harness.py not counted: they hold no optimization)."""
-    changed, root = [], Path(__file__).resolve().parent
+    changed, root = [], Path(__file__).resolve().parent.parent
     for script, then in names.items():
         try:  # git show, not git diff: the file may have had another name then
             old = subprocess.run(["git", "show", f"{commit}:{then}"], capture_output=True, text=True, cwd=root,
@@ -369,7 +372,7 @@ def ablation_rows(lines):
     """The last real-CIFAR-10 line of each ablation.py row, in the order the rows first appear."""
     rows = {line["row"]: line for line in lines if line.get("data") == "cifar10" and "row" in line}
     if "shipped" not in rows:
-        common.fail("no real-CIFAR-10 `shipped` row in --ablation; make it with python ablation.py")
+        common.fail("no real-CIFAR-10 `shipped` row in --ablation; make it with python tools/ablation.py")
     return list(rows.values())
 
 
@@ -719,7 +722,8 @@ def step_costs(runs):
     steps = ns_steps(next(run for run in runs if variant(run) == "opt5.py muon"))
     return [f"- ms per step with AdamW and with Muon, batch {batch}: {measured}.",
             f"- Muon's update with {steps} Newton-Schulz steps: {muon_update_flops(steps) / 1e9:.1f} GFLOP per step "
-            f"(its matmuls, one filter at a time as today's opt5 takes them, counted by torch), against the training step's {flops} GFLOP (forward and backward, "
+            f"(its matmuls, one filter at a time as today's opt5 takes them, counted by torch), "
+            f"against the training step's {flops} GFLOP (forward and backward, "
             f"batch {batch})."]
 
 
