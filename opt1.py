@@ -29,9 +29,7 @@ def parse_args():
 def autocast_dtype(device):
     """The 16-bit type `device` runs natively, or float32 where it has none; and why, in words, for the log."""
     if device.type == "cuda":
-        # opt1: bfloat16 where the GPU runs it natively (Ampere, sm_80, and newer): float32's range, so no
-        # GradScaler and no skipped steps. Not is_bf16_supported() alone: it also counts GPUs that only
-        # emulate bfloat16 (T4, sm_75), where inductor will not compile it and the model would run eager and slow
+        # opt1: bfloat16 only where the GPU runs it natively (emulated it is slow): float32's range, so no GradScaler
         if torch.cuda.is_bf16_supported(including_emulation=False):
             return torch.bfloat16, "bfloat16 autocast: this GPU runs it natively, with float32's range"
         return torch.float16, "float16 autocast: no bfloat16 below sm_80; tensor cores (V100, T4) run it ~8x float32"
@@ -71,8 +69,7 @@ def evaluate(run, loader):
     with torch.no_grad():
         for images, labels in loader:
             images, labels = images.to(run.device), labels.to(run.device)
-            # opt1: the last batch padded with blank images to a full one (their outputs are dropped): one shape, so
-            # one compiled evaluation graph, not another for the last few images
+            # opt1: the last batch padded to full size (extra outputs dropped): one shape, so one compiled graph
             images = torch.cat([images, images.new_zeros(loader.batch_size - len(images), *images.shape[1:])])
             # opt1: 16-bit here too
             with torch.autocast(run.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32):

@@ -39,9 +39,7 @@ def parse_args():
 def autocast_dtype(device):
     """The 16-bit type `device` runs natively, or float32 where it has none; and why, in words, for the log."""
     if device.type == "cuda":
-        # opt1: bfloat16 where the GPU runs it natively (Ampere, sm_80, and newer): float32's range, so no
-        # GradScaler and no skipped steps. Not is_bf16_supported() alone: it also counts GPUs that only
-        # emulate bfloat16 (T4, sm_75), where inductor will not compile it and the model would run eager and slow
+        # opt1: bfloat16 only where the GPU runs it natively (emulated it is slow): float32's range, so no GradScaler
         if torch.cuda.is_bf16_supported(including_emulation=False):
             return torch.bfloat16, "bfloat16 autocast: this GPU runs it natively, with float32's range"
         return torch.float16, "float16 autocast: no bfloat16 below sm_80; tensor cores (V100, T4) run it ~8x float32"
@@ -56,8 +54,7 @@ def default_workers(device):
     cores from training (2 workers on 2 cores: 0.80x the speed of none, results/README.md)."""
     if device.type != "cuda":
         return 0
-    # opt2: every core this process may use (its affinity: a container's or Slurm's share, not the machine's) but one,
-    # left to the training loop: PIL decodes and augments ~1,800 images/s per process, so 4 fed an H200 7.1k/s
+    # opt2: a worker on every core this process may use (its affinity, not the machine's) but one, left to training
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, cores - 1)
 
@@ -66,14 +63,12 @@ def train_one_epoch(run, loader, epoch, monitor):
     """One pass over `loader`; returns mean loss, accuracy, optimizer steps and images trained on."""
     run.model.train()
     total_loss, correct, images_seen = 0.0, 0, 0
-    # opt2: accumulating gradients of accum_steps micro-batches gives a big batch's step in less memory;
-    # every step gets exactly accum_steps micro-batches, so a few left over at the end are skipped
+    # opt2: accumulating the gradients of accum_steps micro-batches gives a big batch's step in less memory
     accum_steps = run.args.accum_steps
     steps = len(loader) // accum_steps
     for micro_step, (images, labels) in enumerate(itertools.islice(loader, steps * accum_steps)):
         step = micro_step // accum_steps + 1
-        # opt2: a copy from pinned memory is queued on the GPU's stream and the host goes on at once (without
-        # pinning it waits while the bytes are staged); the copy still runs before the kernels queued after it
+        # opt2: a copy from pinned memory is queued on the GPU's stream and the host goes on without waiting
         images, labels = images.to(run.device, non_blocking=True), labels.to(run.device, non_blocking=True)
         # opt1: autocast runs convolutions in 16-bit where it is native: half the memory traffic, tensor cores
         with torch.autocast(run.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32):
@@ -101,8 +96,7 @@ def evaluate(run, loader):
     with torch.inference_mode():  # opt2: like no_grad, and also skips autograd's version tracking
         for images, labels in loader:
             images, labels = images.to(run.device, non_blocking=True), labels.to(run.device, non_blocking=True)
-            # opt1: the last batch padded with blank images to a full one (their outputs are dropped): one shape, so
-            # one compiled evaluation graph, not another for the last few images
+            # opt1: the last batch padded to full size (extra outputs dropped): one shape, so one compiled graph
             images = torch.cat([images, images.new_zeros(loader.batch_size - len(images), *images.shape[1:])])
             # opt1: 16-bit here too
             with torch.autocast(run.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32):
@@ -125,8 +119,7 @@ def main():
 
     # opt2: normalized inputs condition the optimization; random crops and flips add data for free
     train_set, test_set = common.load_data(args, common.augmented_transform(), common.normalized_transform())
-    # opt2: worker processes augment and batch the next images while the model trains (kept alive
-    # between epochs); pinned memory lets the host queue the copy to the GPU without waiting (the CPU needs none)
+    # opt2: workers (kept between epochs) prepare the next batches while the model trains; pinned memory: async copies
     loader_options = dict(num_workers=args.workers, persistent_workers=args.workers > 0,
                           pin_memory=device.type == "cuda")
     # drop_last: every step trains on a full batch; a small last one is a noisy step (and, compiled, a new shape)
@@ -143,15 +136,13 @@ def main():
     # opt1: AdamW scales each weight's step by its recent gradients, so one rate suits every layer untuned
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.05)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bfloat16 needs no scaling
-    # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a
-    # fixed rate; its length counts optimizer steps, not micro-batches. beta1 stays AdamW's 0.9 (cycle_momentum=False):
-    # cycling it bought no accuracy here, and a fixed one is a plain number that a captured step can keep (opt4)
+    # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a fixed rate
     total_steps = args.epochs * (len(train_loader) // args.accum_steps)
     if total_steps < 5:
         common.fail(f"{total_steps} optimizer steps in all are too few for OneCycleLR's warm-up (it needs 5); "
                     "use more --epochs or --train-size")
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total_steps, pct_start=0.25,
-                                                    cycle_momentum=False)
+                                                    cycle_momentum=False)  # opt2: beta1 kept: cycling it did not help
     # What the functions above need besides their data, in one object (a setting is read as run.args.name)
     run = SimpleNamespace(
         args=args,

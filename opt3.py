@@ -20,8 +20,7 @@ import harness
 def parse_args():
     # opt2: a bigger batch keeps the GPU busy with fewer, larger kernels and fewer optimizer steps
     parser = harness.build_parser(__doc__, batch_size=128, lr=8e-3)
-    # opt3: off by default: with the data on the device a 5-epoch run's steps take seconds on a GPU, less than
-    # compiling (~40 s with an empty cache); on a CPU it saves nothing a step
+    # opt3: off by default: with the data on the device a short run trains in less time than compiling takes
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                         help="torch.compile the model; it pays only where the steps outlast its ~40 s of compiling "
                              "(default: off)")
@@ -36,9 +35,7 @@ def parse_args():
 def autocast_dtype(device):
     """The 16-bit type `device` runs natively, or float32 where it has none; and why, in words, for the log."""
     if device.type == "cuda":
-        # opt1: bfloat16 where the GPU runs it natively (Ampere, sm_80, and newer): float32's range, so no
-        # GradScaler and no skipped steps. Not is_bf16_supported() alone: it also counts GPUs that only
-        # emulate bfloat16 (T4, sm_75), where inductor will not compile it and the model would run eager and slow
+        # opt1: bfloat16 only where the GPU runs it natively (emulated it is slow): float32's range, so no GradScaler
         if torch.cuda.is_bf16_supported(including_emulation=False):
             return torch.bfloat16, "bfloat16 autocast: this GPU runs it natively, with float32's range"
         return torch.float16, "float16 autocast: no bfloat16 below sm_80; tensor cores (V100, T4) run it ~8x float32"
@@ -99,11 +96,9 @@ def train_one_epoch(run, train_data, epoch, monitor):
     """One pass over `train_data`; returns mean loss, accuracy, optimizer steps and images trained on."""
     run.model.train()
     all_images, all_labels = train_data
-    # opt2: accumulating gradients of accum_steps micro-batches gives a big batch's step in less memory;
-    # every step gets exactly accum_steps micro-batches, so a few left over at the end are skipped
+    # opt2: accumulating the gradients of accum_steps micro-batches gives a big batch's step in less memory
     accum_steps = run.args.accum_steps
-    # opt3: the epoch's batches are drawn on the device at once and gathered there by index: no loader, no workers,
-    # no host-to-device copy; its crops and flips likewise
+    # opt3: the epoch's batches, crops and flips drawn on the device at once: no loader, workers or host copies
     batches, offsets, flips = draw_epoch(run, len(all_labels))
     # opt3: losses and correct counts stay on the device: reading them per step would wait for the GPU
     losses = torch.zeros(len(batches), device=run.device)
@@ -148,8 +143,7 @@ def evaluate(run, test_data):
         for start in range(0, len(all_labels), batch_size):
             images = normalize(all_images[start:start + batch_size], run.statistics)
             labels = all_labels[start:start + batch_size]
-            # opt1: the last batch padded with blank images to a full one (their outputs are dropped): one shape, so
-            # one compiled evaluation graph, not another for the last few images
+            # opt1: the last batch padded to full size (extra outputs dropped): one shape, so one compiled graph
             images = torch.cat([images, images.new_zeros(batch_size - len(images), *images.shape[1:])])
             images = images.contiguous(memory_format=torch.channels_last)  # opt3: the layout the model runs in
             # opt1: 16-bit here too
@@ -169,8 +163,7 @@ def main():
     print(f"precision: {why}")
     torch.manual_seed(args.seed)
 
-    # opt3: the whole dataset lives on the device as uint8 (180 MB): 4x less to move than float32,
-    # and no loader, workers or host-to-device copy per step; normalize() and augment() run per batch
+    # opt3: the whole dataset on the device as uint8: 4x less to move than float32, and no loader or copy per step
     train_set, test_set = common.load_data(args, train_transform=None, test_transform=None)
     train_data, test_data = load_to_device(train_set, device), load_to_device(test_set, device)
     generator = torch.Generator(device).manual_seed(args.seed)
@@ -188,16 +181,14 @@ def main():
     # opt3: fused: one op reads and writes each weight once (a few multi-tensor launches on a GPU), not a dozen passes
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.05, fused=True)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bfloat16 needs no scaling
-    # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a
-    # fixed rate; its length counts optimizer steps, not micro-batches. beta1 stays AdamW's 0.9 (cycle_momentum=False):
-    # cycling it bought no accuracy here, and a fixed one is a plain number that a captured step can keep (opt4)
+    # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a fixed rate
     steps_per_epoch = len(train_set) // args.batch_size // args.accum_steps
     total_steps = args.epochs * steps_per_epoch
     if total_steps < 5:
         common.fail(f"{total_steps} optimizer steps in all are too few for OneCycleLR's warm-up (it needs 5); "
                     "use more --epochs or --train-size")
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total_steps, pct_start=0.25,
-                                                    cycle_momentum=False)
+                                                    cycle_momentum=False)  # opt2: beta1 kept: cycling it did not help
     # What the functions above need besides their data, in one object (a setting is read as run.args.name)
     run = SimpleNamespace(
         args=args,

@@ -22,8 +22,7 @@ import harness
 def parse_args():
     # opt2: a bigger batch keeps the GPU busy with fewer, larger kernels and fewer optimizer steps
     parser = harness.build_parser(__doc__, batch_size=128, lr=8e-3)
-    # opt3: off by default: with the data on the device a 5-epoch run's steps take seconds on a GPU, less than
-    # compiling (~40 s with an empty cache); on a CPU it saves nothing a step
+    # opt3: off by default: with the data on the device a short run trains in less time than compiling takes
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                         help="torch.compile the model; it pays only where the steps outlast its ~40 s of compiling "
                              "(default: off)")
@@ -38,9 +37,7 @@ def parse_args():
 def autocast_dtype(device):
     """The 16-bit type `device` runs natively, or float32 where it has none; and why, in words, for the log."""
     if device.type == "cuda":
-        # opt1: bfloat16 where the GPU runs it natively (Ampere, sm_80, and newer): float32's range, so no
-        # GradScaler and no skipped steps. Not is_bf16_supported() alone: it also counts GPUs that only
-        # emulate bfloat16 (T4, sm_75), where inductor will not compile it and the model would run eager and slow
+        # opt1: bfloat16 only where the GPU runs it natively (emulated it is slow): float32's range, so no GradScaler
         if torch.cuda.is_bf16_supported(including_emulation=False):
             return torch.bfloat16, "bfloat16 autocast: this GPU runs it natively, with float32's range"
         return torch.float16, "float16 autocast: no bfloat16 below sm_80; tensor cores (V100, T4) run it ~8x float32"
@@ -129,7 +126,7 @@ def onecycle_schedule(max_lr, total_steps, device):
     """OneCycleLR's rate for every step as a table on `device` (none baked into a captured step), from torch's own."""
     stand_in = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=max_lr)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(stand_in, max_lr=max_lr, total_steps=total_steps, pct_start=0.25,
-                                                    cycle_momentum=False)
+                                                    cycle_momentum=False)  # opt2: beta1 kept: cycling it did not help
     rates = []
     for _ in range(total_steps):
         rates.append(stand_in.param_groups[0]["lr"])
@@ -140,8 +137,7 @@ def onecycle_schedule(max_lr, total_steps, device):
 
 def adamw(parameters, lr, device):
     """torch's fused AdamW (weight decay 0.05) with its learning rate in a tensor on `device`."""
-    # opt4: the rate in a tensor, which the schedule writes in place: a float would be baked into the captured step.
-    # capturable: without it torch refuses to capture the update (fused AdamW computes the same either way)
+    # opt4: the rate a tensor the schedule writes in place (a graph keeps a float); capturable=True: torch captures it
     return torch.optim.AdamW(parameters, lr=torch.tensor(lr, device=device), weight_decay=0.05, fused=True,
                              capturable=True)
 
@@ -150,8 +146,7 @@ def micro_batch_loss(run, micro_batch):
     """The loss (over --accum-steps) of micro-batch `micro_batch` of the plan's current step, its images gathered,
     normalized, cropped and flipped on the device; its loss and correct count kept in the plan."""
     plan, (all_images, all_labels) = run.plan, run.train_data
-    # opt4: the micro-batch's row found on the device, by the plan's counter: a Python index would be baked into the
-    # captured step. The row is a 1-element tensor, so each gather keeps a leading dimension of 1: squeeze(0)
+    # opt4: the micro-batch's row indexed by the plan's device counter: a Python index would be baked into the graph
     row = plan.step * run.args.accum_steps + micro_batch
     indices, offsets, flips = plan.batches[row].squeeze(0), plan.offsets[row].squeeze(0), plan.flips[row].squeeze(0)
     # opt2: normalized inputs condition the optimization; random crops and flips add data for free
@@ -184,8 +179,7 @@ def train_step(run):
     """One optimizer step, whole: each micro-batch's augmentation, forward, loss and backward, then the update. It
     reads only the device (the plan, at its step counter) and reads nothing back: every call is the same work on the
     same addresses, so the host need not wait for it and a GPU can replay it as one CUDA graph."""
-    # opt4: the gradients dropped at the start, as in PyTorch's whole-network capture: backward then makes them in the
-    # graph's own memory, and a step run again after a failed capture starts without the half-recorded ones
+    # opt4: gradients dropped first: backward makes them in the graph's memory, and a retried capture starts clean
     run.model.zero_grad()
     for micro_batch in range(run.args.accum_steps):
         loss = micro_batch_loss(run, micro_batch)
@@ -240,11 +234,9 @@ def capture_problem(device, amp_dtype, optimizer):
 def train_one_epoch(run, train_data, epoch, monitor):
     """One pass over `train_data`; returns mean loss, accuracy, optimizer steps and images trained on."""
     run.model.train()
-    # opt2: accumulating gradients of accum_steps micro-batches gives a big batch's step in less memory;
-    # every step gets exactly accum_steps micro-batches, so a few left over at the end are skipped
+    # opt2: accumulating the gradients of accum_steps micro-batches gives a big batch's step in less memory
     accum_steps = run.args.accum_steps
-    # opt3: the epoch's batches are drawn on the device at once and gathered there by index: no loader, no workers,
-    # no host-to-device copy; its crops and flips likewise
+    # opt3: the epoch's batches, crops and flips drawn on the device at once: no loader, workers or host copies
     plan_epoch(run, len(train_data[1]), epoch)  # the step gathers its images from run.train_data
     # opt3: losses and correct counts stay on the device: reading them per step would wait for the GPU
     losses, correct = run.plan.losses, run.plan.correct
@@ -271,8 +263,7 @@ def evaluate(run, test_data):
         for start in range(0, len(all_labels), batch_size):
             images = normalize(all_images[start:start + batch_size], run.statistics)
             labels = all_labels[start:start + batch_size]
-            # opt1: the last batch padded with blank images to a full one (their outputs are dropped): one shape, so
-            # one compiled evaluation graph, not another for the last few images
+            # opt1: the last batch padded to full size (extra outputs dropped): one shape, so one compiled graph
             images = torch.cat([images, images.new_zeros(batch_size - len(images), *images.shape[1:])])
             images = images.contiguous(memory_format=torch.channels_last)  # opt3: the layout the model runs in
             # opt1: 16-bit here too
@@ -292,8 +283,7 @@ def main():
     print(f"precision: {why}")
     torch.manual_seed(args.seed)
 
-    # opt3: the whole dataset lives on the device as uint8 (180 MB): 4x less to move than float32,
-    # and no loader, workers or host-to-device copy per step; normalize() and augment() run per batch
+    # opt3: the whole dataset on the device as uint8: 4x less to move than float32, and no loader or copy per step
     train_set, test_set = common.load_data(args, train_transform=None, test_transform=None)
     train_data, test_data = load_to_device(train_set, device), load_to_device(test_set, device)
     generator = torch.Generator(device).manual_seed(args.seed)
@@ -311,9 +301,7 @@ def main():
     # opt3: fused: one op reads and writes each weight once (a few multi-tensor launches on a GPU), not a dozen passes
     optimizer = adamw(model.parameters(), args.lr, device)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bfloat16 needs no scaling
-    # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a
-    # fixed rate; its length counts optimizer steps, not micro-batches. beta1 stays AdamW's 0.9 (cycle_momentum=False):
-    # cycling it bought no accuracy here, and a fixed one is a plain number that a captured step can keep (opt4)
+    # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a fixed rate
     steps_per_epoch = len(train_set) // args.batch_size // args.accum_steps
     total_steps = args.epochs * steps_per_epoch
     if total_steps < 5:

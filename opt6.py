@@ -25,11 +25,9 @@ import harness
 
 
 def parse_args():
-    # opt5: the recipe, chosen on 5,000 held-out training images: 20 epochs of batch 512 are as many steps as 5 of
-    # 128, and a GPU's small step costs its fixed per-step time, not its images; lr 0.016 = 0.008 x sqrt(4)
+    # opt5: the recipe, picked on held-out images: 4x the batch for as many steps; a GPU step's cost is mostly fixed
     parser = harness.build_parser(__doc__, batch_size=512, lr=0.016, epochs=20)
-    # opt3: off by default: with the data on the device a 5-epoch run's steps take seconds on a GPU, less than
-    # compiling (~40 s with an empty cache); on a CPU it saves nothing a step
+    # opt3: off by default: with the data on the device a short run trains in less time than compiling takes
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                         help="torch.compile the model; it pays only where the steps outlast its ~40 s of compiling "
                              "(default: off)")
@@ -84,9 +82,7 @@ def average_batchnorm_statistics(model, world_size):
 def autocast_dtype(device):
     """The 16-bit type `device` runs natively, or float32 where it has none; and why, in words, for the log."""
     if device.type == "cuda":
-        # opt1: bfloat16 where the GPU runs it natively (Ampere, sm_80, and newer): float32's range, so no
-        # GradScaler and no skipped steps. Not is_bf16_supported() alone: it also counts GPUs that only
-        # emulate bfloat16 (T4, sm_75), where inductor will not compile it and the model would run eager and slow
+        # opt1: bfloat16 only where the GPU runs it natively (emulated it is slow): float32's range, so no GradScaler
         if torch.cuda.is_bf16_supported(including_emulation=False):
             return torch.bfloat16, "bfloat16 autocast: this GPU runs it natively, with float32's range"
         return torch.float16, "float16 autocast: no bfloat16 below sm_80; tensor cores (V100, T4) run it ~8x float32"
@@ -193,7 +189,7 @@ def onecycle_schedule(max_lr, total_steps, device):
     """OneCycleLR's rate for every step as a table on `device` (none baked into a captured step), from torch's own."""
     stand_in = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=max_lr)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(stand_in, max_lr=max_lr, total_steps=total_steps, pct_start=0.25,
-                                                    cycle_momentum=False)
+                                                    cycle_momentum=False)  # opt2: beta1 kept: cycling it did not help
     rates = []
     for _ in range(total_steps):
         rates.append(stand_in.param_groups[0]["lr"])
@@ -204,8 +200,7 @@ def onecycle_schedule(max_lr, total_steps, device):
 
 def adamw(parameters, lr, device):
     """torch's fused AdamW (weight decay 0.05) with its learning rate in a tensor on `device`."""
-    # opt4: the rate in a tensor, which the schedule writes in place: a float would be baked into the captured step.
-    # capturable: without it torch refuses to capture the update (fused AdamW computes the same either way)
+    # opt4: the rate a tensor the schedule writes in place (a graph keeps a float); capturable=True: torch captures it
     return torch.optim.AdamW(parameters, lr=torch.tensor(lr, device=device), weight_decay=0.05, fused=True,
                              capturable=True)
 
@@ -255,15 +250,13 @@ def micro_batch_loss(run, micro_batch, size):
     """The loss (over --accum-steps) of micro-batch `micro_batch` of the plan's current step, its images gathered,
     normalized, cropped, flipped and shrunk to size x size on the device; its loss and correct count in the plan."""
     plan, (all_images, all_labels) = run.plan, run.train_data
-    # opt4: the micro-batch's row found on the device, by the plan's counter: a Python index would be baked into the
-    # captured step. The row is a 1-element tensor, so each gather keeps a leading dimension of 1: squeeze(0)
+    # opt4: the micro-batch's row indexed by the plan's device counter: a Python index would be baked into the graph
     row = plan.step * run.args.accum_steps + micro_batch
     indices, offsets, flips = plan.batches[row].squeeze(0), plan.offsets[row].squeeze(0), plan.flips[row].squeeze(0)
     # opt2: normalized inputs condition the optimization; random crops and flips add data for free
     # opt3: normalize, crop and flip the whole batch on the device; channels_last for the model
     images = augment(normalize(all_images[indices], run.statistics), offsets, flips, run.crop_padding)
-    # opt5: progressive resizing: a convolution's work scales with the pixels, so a 16x16 epoch has a quarter of a
-    # 32x32 one's; ResNet10 pools globally, so it takes any size, and the last epochs teach it 32x32
+    # opt5: progressive resizing: a convolution's work scales with the pixels; global pooling takes any size
     images = downscale(images, size).contiguous(memory_format=torch.channels_last)
     labels = all_labels[indices]
     # opt1: autocast runs convolutions in 16-bit where it is native: half the memory traffic, tensor cores
@@ -292,8 +285,7 @@ def train_step(run, size):
     """One optimizer step, whole: each micro-batch's augmentation, forward, loss and backward, then the update. It
     reads only the device (the plan, at its step counter) and reads nothing back: every call is the same work on the
     same addresses, so the host need not wait for it and a GPU can replay it as one CUDA graph."""
-    # opt4: the gradients dropped at the start, as in PyTorch's whole-network capture: backward then makes them in the
-    # graph's own memory, and a step run again after a failed capture starts without the half-recorded ones
+    # opt4: gradients dropped first: backward makes them in the graph's memory, and a retried capture starts clean
     run.model.zero_grad(set_to_none=run.world_size == 1)  # opt6: under DDP zeroed, not dropped: views of its buckets
     for micro_batch in range(run.args.accum_steps):
         # opt6: DDP all-reduces in the backward of a step's last micro-batch only: no_sync() skips it in the others
@@ -354,11 +346,9 @@ def capture_problem(device, amp_dtype, optimizers, world_size):
 def train_one_epoch(run, train_data, epoch, monitor, size):
     """One pass over `train_data`; returns mean loss, accuracy, optimizer steps and images trained on."""
     run.model.train()
-    # opt2: accumulating gradients of accum_steps micro-batches gives a big batch's step in less memory;
-    # every step gets exactly accum_steps micro-batches, so a few left over at the end are skipped
+    # opt2: accumulating the gradients of accum_steps micro-batches gives a big batch's step in less memory
     accum_steps = run.args.accum_steps
-    # opt3: the epoch's batches are drawn on the device at once and gathered there by index: no loader, no workers,
-    # no host-to-device copy; its crops and flips likewise
+    # opt3: the epoch's batches, crops and flips drawn on the device at once: no loader, workers or host copies
     plan_epoch(run, len(train_data[1]), epoch)  # the step gathers its images from run.train_data
     # opt3: losses and correct counts stay on the device: reading them per step would wait for the GPU
     losses, correct = run.plan.losses, run.plan.correct
@@ -395,8 +385,7 @@ def evaluate(run, test_data, size):
         for start in range(0, len(all_labels), batch_size):
             images = normalize(all_images[start:start + batch_size], run.statistics)
             labels = all_labels[start:start + batch_size]
-            # opt1: the last batch padded with blank images to a full one (their outputs are dropped): one shape, so
-            # one compiled evaluation graph, not another for the last few images
+            # opt1: the last batch padded to full size (extra outputs dropped): one shape, so one compiled graph
             images = torch.cat([images, images.new_zeros(batch_size - len(images), *images.shape[1:])])
             images = torch.cat([images, images.flip(3)])
             # opt5: at the size just trained on: its BatchNorm statistics are of images that size
@@ -428,8 +417,7 @@ def main():
           f"(--batch-size x world size x --accum-steps)")
     torch.manual_seed(args.seed)
 
-    # opt3: the whole dataset lives on the device as uint8 (180 MB): 4x less to move than float32,
-    # and no loader, workers or host-to-device copy per step; normalize() and augment() run per batch
+    # opt3: the whole dataset on the device as uint8: 4x less to move than float32, and no loader or copy per step
     with harness.rank_zero_first(world_size):  # opt6: one download per machine, each after rank 0's
         train_set, test_set = common.load_data(args, train_transform=None, test_transform=None)
     train_data, test_data = load_to_device(train_set, device), load_to_device(test_set, device)
@@ -459,8 +447,7 @@ def main():
     # opt1: AdamW scales each weight's step by its recent gradients, so one rate suits every layer untuned
     # opt3: fused: one op reads and writes each weight once (a few multi-tensor launches on a GPU), not a dozen passes
     if args.optimizer == "muon":
-        # opt5: Muon for the filters, AdamW for the rest: more accuracy per epoch for the cost of its update (see
-        # Muon); Newton-Schulz in the 16-bit type the hardware runs natively (float32 where it has none)
+        # opt5: Muon for the filters, AdamW for the rest: more accuracy per epoch; Newton-Schulz in native 16-bit
         filters = [parameter for parameter in model.parameters() if parameter.ndim == 4]
         others = [parameter for parameter in model.parameters() if parameter.ndim != 4]
         muon = Muon(filters, torch.tensor(max_lr, device=device), steps=args.ns_steps, dtype=amp_dtype)
@@ -468,9 +455,7 @@ def main():
     else:
         optimizers = [adamw(model.parameters(), max_lr, device)]
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bfloat16 needs no scaling
-    # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a
-    # fixed rate; its length counts optimizer steps, not micro-batches. beta1 stays AdamW's 0.9 (cycle_momentum=False):
-    # cycling it bought no accuracy here, and a fixed one is a plain number that a captured step can keep (opt4)
+    # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a fixed rate
     steps_per_epoch = len(train_set) // (args.batch_size * world_size) // args.accum_steps
     full_size = train_set.data.shape[1]  # opt5: CIFAR-10's 32 x 32, the size the last epochs train on
     sizes = image_sizes(args.epochs, args.min_size, full_size, args.full_size_share)
@@ -505,8 +490,7 @@ def main():
         run.train_steps = {size: cuda_graph(step) for size, step in run.train_steps.items()}
     print("step: captured as a CUDA graph and replayed" if why_not is None else f"step: run as a function, {why_not}")
 
-    # opt5: after each epoch but the last, a fixed random subset of the test set shows the curve at ~1 % of a 32x32
-    # epoch's work (random: the first 1,000 of a set stored by class would be one class); the last evaluates them all
+    # opt5: between epochs a fixed random test subset (random: all classes) shows the curve cheaply; the last tests all
     subset = torch.randperm(len(test_set), generator=torch.Generator().manual_seed(args.seed))[:args.monitor_size]
     monitor_data = [data[subset.to(device)] for data in test_data]
     records = []
