@@ -455,6 +455,12 @@ def parse_args():
                              "opt5's --seed alone)")
     parser.add_argument("--row", choices=ROW_NAMES, help=argparse.SUPPRESS)  # one row, in this process
     args, opt5_flags = parser.parse_known_args()
+    check_opt5_flags_and_json(opt5_flags, args.json)
+    return args, opt5_flags
+
+
+def check_opt5_flags_and_json(opt5_flags, json_path):
+    """Exit 2 with one line, before any run, on a flag opt5's parser refuses or a --json file that cannot be appended."""
     command_line = sys.argv
     sys.argv = ["opt5.py", *opt5_flags]
     try:
@@ -462,10 +468,9 @@ def parse_args():
     finally:
         sys.argv = command_line
     try:
-        Path(args.json).open("a").close()
+        Path(json_path).open("a").close()
     except OSError as error:
-        common.fail(f"cannot append to --json {args.json} ({error.strerror}); give a path in a folder that exists")
-    return args, opt5_flags
+        common.fail(f"cannot append to --json {json_path} ({error.strerror}); give a path in a folder that exists")
 
 
 def run_row(name, opt5_flags, json_path):

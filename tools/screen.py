@@ -65,7 +65,6 @@ sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).
 import ablation  # noqa: E402
 import common  # noqa: E402
 import harness  # noqa: E402
-import opt5  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent  # tools/, beside ablation.py
 ABLATION = ROOT / "ablation.py"
@@ -479,16 +478,7 @@ def check_run(args, opt5_flags):
     taken = [flag for flag in opt5_flags if flag.split("=")[0] in ("--seed", "--seeds", "--rows", "--row")]
     if taken:
         common.fail(f"{taken[0]}: the screen sets the rows and seeds of every run (see --help)")
-    command_line = sys.argv
-    sys.argv = ["opt5.py", *opt5_flags, "--validation", str(args.validation)]
-    try:
-        opt5.parse_args()  # a bad flag exits 2 with opt5's one line
-    finally:
-        sys.argv = command_line
-    try:
-        Path(args.json).open("a").close()
-    except OSError as error:
-        common.fail(f"cannot append to --json {args.json} ({error.strerror}); give a path in a folder that exists")
+    ablation.check_opt5_flags_and_json([*opt5_flags, "--validation", str(args.validation)], args.json)
     return opt5_flags
 
 
