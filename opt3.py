@@ -51,14 +51,21 @@ def load_to_device(dataset, device):
     return images.to(device), torch.as_tensor(dataset.targets).to(device)
 
 
-def channel_statistics(device):
-    """CIFAR-10's per-channel mean and std in uint8 units, as one tensor on `device`: made once (main), not per step."""
-    statistics = torch.tensor([common.CIFAR10_MEAN, common.CIFAR10_STD], device=device) * 255
-    return statistics.view(2, 1, 3, 1, 1)
+def channel_statistics(images):
+    """The per-channel mean and std of uint8 `images` (N x 3 x H x W) in uint8 units, as the one 2 x 1 x 3 x 1 x 1
+    tensor normalize takes, on their device; summed a chunk at a time, not as a float copy of them all."""
+    sums = torch.zeros(2, 3, dtype=torch.float64, device=images.device)
+    for chunk in images.split(4096):
+        pixels = chunk.transpose(0, 1).flatten(1).double()
+        sums += torch.stack([pixels.sum(1), pixels.square().sum(1)])
+    mean = sums[0] / (images.numel() // 3)
+    std = (sums[1] / (images.numel() // 3) - mean.square()).sqrt()
+    return torch.stack([mean, std]).float().view(2, 1, 3, 1, 1)
 
 
 def normalize(images, statistics):
-    """uint8 images -> float32 with zero mean and unit variance per channel (`statistics`: channel_statistics)."""
+    """uint8 images -> float32 with zero mean and unit variance per channel (`statistics`: mean and std, as
+    channel_statistics returns them)."""
     mean, std = statistics
     return (images.float() - mean) / std
 
@@ -78,17 +85,17 @@ def augment(images, offsets, flips, padding):
     return padded[image_index, channel_index, rows.view(batch, 1, height, 1), columns.view(batch, 1, 1, width)]
 
 
-def draw_epoch(run, image_count):
-    """One epoch of a training set of `image_count` images, drawn on the device: a fresh permutation cut into full
-    micro-batches (the few images left over change each epoch; every batch is full, so the step sees one shape), and
-    every image's crop offsets and flip."""
-    args, generator, device = run.args, run.generator, run.device
-    rows, batch_size = image_count // (args.batch_size * args.accum_steps) * args.accum_steps, args.batch_size
+def draw_epoch(image_count, batch_size, padding, generator, accum_steps=1):
+    """One epoch of a training set of `image_count` images, drawn on `generator`'s device: a fresh permutation cut into
+    full micro-batches of `batch_size`, a whole number of steps of `accum_steps` (the few images left over change each
+    epoch; every batch is full, so the step sees one shape), and every image's crop offsets (for augment's `padding`)
+    and flip. Returns (batches, offsets, flips): micro-batches x batch_size, x 2 x batch_size x 1, x batch_size x 1."""
+    device = generator.device
+    micro_batches = image_count // (batch_size * accum_steps) * accum_steps
     permutation = torch.randperm(image_count, device=device, generator=generator)
-    batches = permutation[:rows * batch_size].view(rows, batch_size)
-    crop_offsets = 2 * run.crop_padding + 1
-    offsets = torch.randint(0, crop_offsets, (rows, 2, batch_size, 1), device=device, generator=generator)
-    flips = torch.rand((rows, batch_size, 1), device=device, generator=generator) < 0.5
+    batches = permutation[:micro_batches * batch_size].view(micro_batches, batch_size)
+    offsets = torch.randint(0, 2 * padding + 1, (micro_batches, 2, batch_size, 1), device=device, generator=generator)
+    flips = torch.rand((micro_batches, batch_size, 1), device=device, generator=generator) < 0.5
     return batches, offsets, flips
 
 
@@ -99,7 +106,8 @@ def train_one_epoch(run, train_data, epoch, monitor):
     # opt2: accumulating the gradients of accum_steps micro-batches gives a big batch's step in less memory
     accum_steps = run.args.accum_steps
     # opt3: the epoch's batches, crops and flips drawn on the device at once: no loader, workers or host copies
-    batches, offsets, flips = draw_epoch(run, len(all_labels))
+    batch_size, padding, generator = run.args.batch_size, run.crop_padding, run.generator
+    batches, offsets, flips = draw_epoch(len(all_labels), batch_size, padding, generator, accum_steps)
     # opt3: losses and correct counts stay on the device: reading them per step would wait for the GPU
     losses = torch.zeros(len(batches), device=run.device)
     correct = torch.zeros((), dtype=torch.long, device=run.device)
@@ -167,6 +175,8 @@ def main():
     train_set, test_set = common.load_data(args, train_transform=None, test_transform=None)
     train_data, test_data = load_to_device(train_set, device), load_to_device(test_set, device)
     generator = torch.Generator(device).manual_seed(args.seed)
+    # CIFAR-10's published mean and std (in uint8 units), which channel_statistics would compute from its images
+    statistics = torch.tensor([common.CIFAR10_MEAN, common.CIFAR10_STD], device=device).view(2, 1, 3, 1, 1) * 255
 
     # opt1: cuDNN times its convolution algorithms once per input shape and keeps the fastest
     torch.backends.cudnn.benchmark = True
@@ -200,7 +210,7 @@ def main():
         scaler=scaler,
         scheduler=scheduler,
         generator=generator,
-        statistics=channel_statistics(device),
+        statistics=statistics,
         crop_padding=common.CROP_PADDING,
     )
 

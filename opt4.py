@@ -8,7 +8,6 @@ launch for each of its hundreds of kernels.
 Each optimization is marked `# opt4:` where it happens; read `diff -u opt3.py opt4.py`.
 """
 import argparse
-import functools
 from types import SimpleNamespace
 
 import torch
@@ -53,14 +52,21 @@ def load_to_device(dataset, device):
     return images.to(device), torch.as_tensor(dataset.targets).to(device)
 
 
-def channel_statistics(device):
-    """CIFAR-10's per-channel mean and std in uint8 units, as one tensor on `device`: made once (main), not per step."""
-    statistics = torch.tensor([common.CIFAR10_MEAN, common.CIFAR10_STD], device=device) * 255
-    return statistics.view(2, 1, 3, 1, 1)
+def channel_statistics(images):
+    """The per-channel mean and std of uint8 `images` (N x 3 x H x W) in uint8 units, as the one 2 x 1 x 3 x 1 x 1
+    tensor normalize takes, on their device; summed a chunk at a time, not as a float copy of them all."""
+    sums = torch.zeros(2, 3, dtype=torch.float64, device=images.device)
+    for chunk in images.split(4096):
+        pixels = chunk.transpose(0, 1).flatten(1).double()
+        sums += torch.stack([pixels.sum(1), pixels.square().sum(1)])
+    mean = sums[0] / (images.numel() // 3)
+    std = (sums[1] / (images.numel() // 3) - mean.square()).sqrt()
+    return torch.stack([mean, std]).float().view(2, 1, 3, 1, 1)
 
 
 def normalize(images, statistics):
-    """uint8 images -> float32 with zero mean and unit variance per channel (`statistics`: channel_statistics)."""
+    """uint8 images -> float32 with zero mean and unit variance per channel (`statistics`: mean and std, as
+    channel_statistics returns them)."""
     mean, std = statistics
     return (images.float() - mean) / std
 
@@ -80,46 +86,49 @@ def augment(images, offsets, flips, padding):
     return padded[image_index, channel_index, rows.view(batch, 1, height, 1), columns.view(batch, 1, 1, width)]
 
 
-def empty_plan(steps, args, device):
-    """The buffers one epoch's steps read and write, on the device: each micro-batch's image indices, crop offsets and
-    flips, each step's learning rate, the step counter, and each micro-batch's loss and the correct count."""
-    rows, batch_size = steps * args.accum_steps, args.batch_size
-    return SimpleNamespace(
-        batches=torch.zeros(rows, batch_size, dtype=torch.long, device=device),
-        offsets=torch.zeros(rows, 2, batch_size, 1, dtype=torch.long, device=device),
-        flips=torch.zeros(rows, batch_size, 1, dtype=torch.bool, device=device),
-        schedule=torch.zeros(steps, device=device),
-        # 1 element, not 0-d: indexing by it gathers on the device, where a 0-d index would be read by the host
-        step=torch.zeros(1, dtype=torch.long, device=device),
-        losses=torch.zeros(rows, device=device),
-        correct=torch.zeros((), dtype=torch.long, device=device),
-    )
-
-
-def draw_epoch(run, image_count):
-    """One epoch of a training set of `image_count` images, drawn on the device: a fresh permutation cut into full
-    micro-batches (the few images left over change each epoch; every batch is full, so the step sees one shape), and
-    every image's crop offsets and flip."""
-    args, generator, device = run.args, run.generator, run.device
-    rows, batch_size = image_count // (args.batch_size * args.accum_steps) * args.accum_steps, args.batch_size
+def draw_epoch(image_count, batch_size, padding, generator, accum_steps=1):
+    """One epoch of a training set of `image_count` images, drawn on `generator`'s device: a fresh permutation cut into
+    full micro-batches of `batch_size`, a whole number of steps of `accum_steps` (the few images left over change each
+    epoch; every batch is full, so the step sees one shape), and every image's crop offsets (for augment's `padding`)
+    and flip. Returns (batches, offsets, flips): micro-batches x batch_size, x 2 x batch_size x 1, x batch_size x 1."""
+    device = generator.device
+    micro_batches = image_count // (batch_size * accum_steps) * accum_steps
     permutation = torch.randperm(image_count, device=device, generator=generator)
-    batches = permutation[:rows * batch_size].view(rows, batch_size)
-    crop_offsets = 2 * run.crop_padding + 1
-    offsets = torch.randint(0, crop_offsets, (rows, 2, batch_size, 1), device=device, generator=generator)
-    flips = torch.rand((rows, batch_size, 1), device=device, generator=generator) < 0.5
+    batches = permutation[:micro_batches * batch_size].view(micro_batches, batch_size)
+    offsets = torch.randint(0, 2 * padding + 1, (micro_batches, 2, batch_size, 1), device=device, generator=generator)
+    flips = torch.rand((micro_batches, batch_size, 1), device=device, generator=generator) < 0.5
     return batches, offsets, flips
 
 
-def plan_epoch(run, image_count, epoch):
-    """Draw `epoch` (draw_epoch) into the plan, with its rows of the schedule, and start its counters at 0."""
-    plan, steps = run.plan, len(run.plan.schedule)
-    batches, offsets, flips = draw_epoch(run, image_count)
+def empty_plan(train_data, statistics, padding, steps, batch_size, accum_steps=1):
+    """What an epoch of `steps` steps reads and writes, at fixed addresses on the device of `train_data`: images,
+    labels, statistics, padding and accum_steps as given; batches, offsets and flips (draw_epoch's) and rates, as
+    plan_epoch fills them; cursor (the next step); losses and correct; filled (whether plan_epoch has written one)."""
+    (images, labels), micro_batches = train_data, steps * accum_steps
+    device = images.device
+    return SimpleNamespace(
+        images=images, labels=labels, statistics=statistics, padding=padding, accum_steps=accum_steps,
+        batches=torch.zeros(micro_batches, batch_size, dtype=torch.long, device=device),
+        offsets=torch.zeros(micro_batches, 2, batch_size, 1, dtype=torch.long, device=device),
+        flips=torch.zeros(micro_batches, batch_size, 1, dtype=torch.bool, device=device),
+        rates=torch.zeros(steps, device=device),
+        # 1 element, not 0-d: indexing by it gathers on the device, where a 0-d index would be read by the host
+        cursor=torch.zeros(1, dtype=torch.long, device=device),
+        losses=torch.zeros(micro_batches, device=device),
+        correct=torch.zeros((), dtype=torch.long, device=device),
+        filled=False,
+    )
+
+
+def plan_epoch(plan, draw, rates):
+    """Write an epoch into the plan: `draw` (draw_epoch's batches, offsets and flips) and `rates` (each step's learning
+    rate); its cursor, losses and correct count back to 0."""
     # opt4: copy_ writes into the buffers the captured step reads, at the addresses it was captured with
-    for buffer, values in ((plan.batches, batches), (plan.offsets, offsets), (plan.flips, flips),
-                           (plan.schedule, run.schedule[(epoch - 1) * steps:epoch * steps])):
+    for buffer, values in zip((plan.batches, plan.offsets, plan.flips, plan.rates), (*draw, rates)):
         buffer.copy_(values)
-    for counter in (plan.step, plan.losses, plan.correct):
+    for counter in (plan.cursor, plan.losses, plan.correct):
         counter.zero_()
+    plan.filled = True
 
 
 def onecycle_schedule(max_lr, total_steps, device):
@@ -142,59 +151,72 @@ def adamw(parameters, lr, device):
                              capturable=True)
 
 
-def micro_batch_loss(run, micro_batch):
-    """The loss (over --accum-steps) of micro-batch `micro_batch` of the plan's current step, its images gathered,
-    normalized, cropped and flipped on the device; its loss and correct count kept in the plan."""
-    plan, (all_images, all_labels) = run.plan, run.train_data
-    # opt4: the micro-batch's row indexed by the plan's device counter: a Python index would be baked into the graph
-    row = plan.step * run.args.accum_steps + micro_batch
-    indices, offsets, flips = plan.batches[row].squeeze(0), plan.offsets[row].squeeze(0), plan.flips[row].squeeze(0)
+def micro_batch_loss(model, criterion, plan, micro_batch, amp_dtype):
+    """The loss (over the plan's accum_steps) of micro-batch `micro_batch` of the step at the plan's cursor, its images
+    gathered, normalized, cropped and flipped on the device; its loss and correct count kept in the plan."""
+    # opt4: the micro-batch found by the plan's cursor on the device: a Python index would be baked into the graph
+    micro_step = plan.cursor * plan.accum_steps + micro_batch
+    indices, offsets, flips = (buffer[micro_step].squeeze(0) for buffer in (plan.batches, plan.offsets, plan.flips))
     # opt2: normalized inputs condition the optimization; random crops and flips add data for free
     # opt3: normalize, crop and flip the whole batch on the device; channels_last for the model
-    images = augment(normalize(all_images[indices], run.statistics), offsets, flips, run.crop_padding)
+    images = augment(normalize(plan.images[indices], plan.statistics), offsets, flips, plan.padding)
     images = images.contiguous(memory_format=torch.channels_last)
-    labels = all_labels[indices]
+    labels = plan.labels[indices]
     # opt1: autocast runs convolutions in 16-bit where it is native: half the memory traffic, tensor cores
     # opt4: without autocast's cache of cast weights, which a CUDA graph capture must not keep
-    with torch.autocast(run.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32,
-                        cache_enabled=False):
-        outputs = run.model(images)
-        loss = run.criterion(outputs, labels)
-    plan.losses[row] = loss.detach()  # opt4: into the plan: every replay writes the same addresses
+    with torch.autocast(images.device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32, cache_enabled=False):
+        outputs = model(images)
+        loss = criterion(outputs, labels)
+    plan.losses[micro_step] = loss.detach()  # opt4: into the plan: every replay writes the same addresses
     plan.correct += (outputs.argmax(1) == labels).sum()
-    return loss / run.args.accum_steps  # opt2: the mean over the effective batch
+    return loss / plan.accum_steps  # opt2: the mean over the effective batch
 
 
-def optimizer_step(run):
-    """The update that ends a step, at the plan's learning rate for it; then the plan's counter moves on."""
-    plan = run.plan
-    for group in run.optimizer.param_groups:
-        group["lr"].copy_(plan.schedule[plan.step].squeeze(0))  # opt4: the schedule reaches the optimizer on the device
-    run.scaler.step(run.optimizer)
-    run.scaler.update()
-    plan.step += 1
+def optimizer_step(optimizers, plan, scaler):
+    """Each optimizer's update at the plan's rate for the step; then the cursor moves on (from the last step, to 0)."""
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["lr"].copy_(plan.rates[plan.cursor].squeeze(0))  # opt4: the schedule reaches it on the device
+        scaler.step(optimizer)
+    scaler.update()
+    plan.cursor.add_(1).remainder_(len(plan.rates))
 
 
-def train_step(run):
-    """One optimizer step, whole: each micro-batch's augmentation, forward, loss and backward, then the update. It
-    reads only the device (the plan, at its step counter) and reads nothing back: every call is the same work on the
-    same addresses, so the host need not wait for it and a GPU can replay it as one CUDA graph."""
-    # opt4: gradients dropped first: backward makes them in the graph's memory, and a retried capture starts clean
-    run.model.zero_grad()
-    for micro_batch in range(run.args.accum_steps):
-        loss = micro_batch_loss(run, micro_batch)
-        # opt1: float16 gradients can underflow to zero; GradScaler scales the loss up, then back
-        run.scaler.scale(loss).backward()
-    optimizer_step(run)
+def train_step(model, criterion, optimizers, plan, amp_dtype=torch.float32, scaler=None):
+    """One optimizer step over `plan`, whole, as a function of no arguments: it reads only the device and nothing back,
+    the same work on the same addresses each call, so a GPU can replay it as one CUDA graph (cuda_graph). It asks for
+    plan_epoch before each epoch, and each rate a tensor updated in tensor ops: torch's AdamW with capturable=True
+    (adamw()) does; torch's SGD reads it on the host. `scaler`: float16's GradScaler, or None."""
+    for optimizer in optimizers:
+        if not all(isinstance(group["lr"], torch.Tensor) for group in optimizer.param_groups):
+            raise TypeError(f"{type(optimizer).__name__}'s learning rate is a float, which a CUDA graph would keep: "
+                            "make the optimizer with lr=torch.tensor(rate, device=device), as adamw() does")
+    scaler = scaler or torch.amp.GradScaler(enabled=False)  # disabled: scale, step and update pass straight through
+
+    def step():
+        if not plan.filled:
+            raise RuntimeError("the plan has no epoch in it: call plan_epoch(plan, draw, rates) before the first step")
+        # opt4: gradients dropped first: backward makes them in the graph's memory, and a retried capture starts clean
+        model.zero_grad()
+        for micro_batch in range(plan.accum_steps):
+            loss = micro_batch_loss(model, criterion, plan, micro_batch, amp_dtype)
+            # opt1: float16 gradients can underflow to zero; GradScaler scales the loss up, then back
+            scaler.scale(loss).backward()
+        optimizer_step(optimizers, plan, scaler)
+    return step
 
 
-def cuda_graph(step, warmup_steps=3):
-    """`step` (a function of no arguments) replayed as one CUDA graph: its first `warmup_steps` calls run on a side
-    stream, as in PyTorch's whole-network capture (cuDNN's autotuning, the optimizer's first state), the next captures
-    it, the rest replay it. A capture that fails says why in one line; that call and the rest run `step` as itself."""
+def cuda_graph(step, device, warmup_steps=3):
+    """`step` (a function of no arguments, its work on `device`) as one CUDA graph, as in PyTorch's whole-network
+    capture: its first `warmup_steps` calls run on a side stream (cuDNN's autotuning, the optimizer's first state),
+    the next captures it, the rest replay it. Off CUDA, or where the capture fails, it says why in one line and runs
+    `step` as itself."""
+    if device.type != "cuda":
+        print("step: run as a function, not captured: CUDA graphs are CUDA's")
+        return step
     graph, calls, failed = torch.cuda.CUDAGraph(), 0, False
 
-    def replay():
+    def graphed_step():
         nonlocal calls, failed
         calls += 1
         if failed:
@@ -217,31 +239,25 @@ def cuda_graph(step, warmup_steps=3):
                 why = (str(cause).strip().splitlines() or [""])[0][:160]
                 print(f"step: not captured ({type(cause).__name__}: {why}); this step and the rest run as a function")
                 return step()  # the capture recorded this step but ran none of it
+            print(f"step: captured as a CUDA graph after {warmup_steps} warm-up calls, replayed from here on")
         graph.replay()
-    return replay
-
-
-def capture_problem(device, amp_dtype, optimizer):
-    """Why the step cannot be replayed as a CUDA graph here, in words, or None where it can."""
-    if device.type != "cuda":
-        return "not captured: CUDA graphs are CUDA's"
-    if amp_dtype == torch.float16 and not getattr(optimizer, "_step_supports_amp_scaling", False):
-        # GradScaler hands a fused optimizer its found-inf flag on the device; for any other it reads it on the host
-        return "not captured: float16's GradScaler reads on the host whether each step's gradients are finite"
-    return None
+    return graphed_step
 
 
 def train_one_epoch(run, train_data, epoch, monitor):
-    """One pass over `train_data`; returns mean loss, accuracy, optimizer steps and images trained on."""
+    """One pass over `train_data` (the plan's); returns mean loss, accuracy, optimizer steps and images trained on."""
     run.model.train()
     # opt2: accumulating the gradients of accum_steps micro-batches gives a big batch's step in less memory
     accum_steps = run.args.accum_steps
     # opt3: the epoch's batches, crops and flips drawn on the device at once: no loader, workers or host copies
-    plan_epoch(run, len(train_data[1]), epoch)  # the step gathers its images from run.train_data
+    batch_size, padding, generator = run.args.batch_size, run.crop_padding, run.generator
+    draw = draw_epoch(len(train_data[1]), batch_size, padding, generator, accum_steps)
+    steps = len(run.plan.rates)
+    plan_epoch(run.plan, draw, run.schedule[(epoch - 1) * steps:epoch * steps])  # opt4: with the epoch's rates
     # opt3: losses and correct counts stay on the device: reading them per step would wait for the GPU
     losses, correct = run.plan.losses, run.plan.correct
     # opt4: each step is one call that reads the plan: on a GPU, one graph replayed
-    for _ in range(len(run.plan.schedule)):
+    for _ in range(steps):
         run.train_step()
         monitor.step()
     # opt3: the one wait for the device per epoch; a non-finite loss is found here, not at its step
@@ -287,6 +303,8 @@ def main():
     train_set, test_set = common.load_data(args, train_transform=None, test_transform=None)
     train_data, test_data = load_to_device(train_set, device), load_to_device(test_set, device)
     generator = torch.Generator(device).manual_seed(args.seed)
+    # CIFAR-10's published mean and std (in uint8 units), which channel_statistics would compute from its images
+    statistics = torch.tensor([common.CIFAR10_MEAN, common.CIFAR10_STD], device=device).view(2, 1, 3, 1, 1) * 255
 
     # opt1: cuDNN times its convolution algorithms once per input shape and keeps the fastest
     torch.backends.cudnn.benchmark = True
@@ -299,7 +317,7 @@ def main():
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     # opt1: AdamW scales each weight's step by its recent gradients, so one rate suits every layer untuned
     # opt3: fused: one op reads and writes each weight once (a few multi-tensor launches on a GPU), not a dozen passes
-    optimizer = adamw(model.parameters(), args.lr, device)
+    optimizers = [adamw(model.parameters(), args.lr, device)]  # a list, as train_step takes them
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bfloat16 needs no scaling
     # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a fixed rate
     steps_per_epoch = len(train_set) // args.batch_size // args.accum_steps
@@ -314,22 +332,18 @@ def main():
         amp_dtype=amp_dtype,
         model=model,
         criterion=criterion,
-        optimizer=optimizer,
+        optimizers=optimizers,
         scaler=scaler,
         generator=generator,
-        train_data=train_data,
-        statistics=channel_statistics(device),
+        statistics=statistics,
         crop_padding=common.CROP_PADDING,
         # opt4: the schedule as a table on the device, and the plan: the buffers every step reads and writes
         schedule=onecycle_schedule(args.lr, total_steps, device),
-        plan=empty_plan(steps_per_epoch, args, device),
+        plan=empty_plan(train_data, statistics, common.CROP_PADDING, steps_per_epoch, args.batch_size,
+                        args.accum_steps),
     )
-    run.train_step = functools.partial(train_step, run)
-    why_not = capture_problem(device, amp_dtype, optimizer)
-    if why_not is None:
-        # opt4: on CUDA the whole step is captured once and replayed: one launch a step, however many kernels
-        run.train_step = cuda_graph(run.train_step)
-    print("step: captured as a CUDA graph and replayed" if why_not is None else f"step: run as a function, {why_not}")
+    # opt4: on CUDA the whole step is captured once and replayed: one launch a step, however many kernels
+    run.train_step = cuda_graph(train_step(model, criterion, optimizers, run.plan, amp_dtype, scaler), device)
 
     records = []
     start = common.now(device)

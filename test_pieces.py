@@ -1,9 +1,12 @@
-"""The README's "What to copy first" table: each piece of code it names, copied alone, works.
+"""The README's "What to copy first" table, applied to someone else's training script.
 
-A row names a script and its functions or classes in backticks. The test takes them and every other function or class
-of that script they call (found from the source, so the table cannot drift from the code), puts that alone in a fresh
-module that imports only the standard library, torch, torch.nn, torch.nn.functional and torch.distributed, and runs it
-on a small model on the CPU. A row of settings, not code, says "settings" and is exempt.
+The client is a small training script of this file's own, in the shape of PyTorch's CIFAR-10 tutorial: its own small
+CNN with a classifier sized for 32 x 32 images, a plain loop, a standard optimizer. Each row of the table is applied to
+it as the row says: exactly the names the row lists are copied (a name it does not list is missing, and the copy
+fails), from the file it names, into a fresh module that imports only the standard library and torch; the client
+gives the pieces what the row's third column asks, and the test checks what the row promises. The rows are applied
+one at a time, and one after another (a later row's version of an earlier piece replacing it, as the row says).
+A row of settings, not code, says "settings" and is exempt. On the CPU; the captured step also under `-m cuda`.
 """
 import ast
 import os
@@ -12,12 +15,12 @@ import socket
 import sys
 import types
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 ROOT = Path(__file__).resolve().parent
@@ -29,152 +32,303 @@ import torch.nn as nn
 import torch.nn.functional as F
 """
 CPU = torch.device("cpu")
+cuda_test = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
+
+# ------------------------------------------------------------------------------------ the table, read
 
 def copy_table():
-    """(optimization, where) of each row of the README's "What to copy first" table."""
+    """{optimization: (what to copy, what the client must give)} of each row of "What to copy first", in order."""
     readme = (ROOT / "README.md").read_text()
     table = readme[readme.index("## What to copy first"):].split("\n\n")[1].splitlines()[2:]
-    return [tuple(cell.strip() for cell in row.split("|")[1:3]) for row in table]
+    return {cells[0]: (cells[1], cells[2]) for cells in ([c.strip() for c in row.split("|")[1:4]] for row in table)}
 
 
-def named_code(where):
-    """(script, the names in backticks it defines) of a row's "where", or None for a row of settings."""
-    if where.startswith("settings"):
-        return None
-    script = re.search(r"\b(opt\d)\b", where)[1] + ".py"
-    return script, re.findall(r"`(\w+)`", where)
+def row_names(optimization):
+    """(alone, replacements): the (file, names) a row says to copy, and the (file, names) that replace earlier rows'
+    pieces where the rows are applied in sequence ("with the row above, ..."). Settings segments name no code."""
+    rows = list(copy_table())
+    alone, replacements = [], []
+    for segment in copy_table()[optimization][0].split("; "):
+        if segment.startswith("settings"):
+            continue
+        source = "common.py" if segment.startswith("common.py") else re.search(r"\b(opt\d)\b", segment)[1] + ".py"
+        names = re.findall(r"`(\w+)`", segment)
+        if "the row above's" in segment:  # the row above's names, from this row's file
+            names += [name for _, above in row_names(rows[rows.index(optimization) - 1])[0] for name in above]
+        (replacements if segment.startswith("with the row above") else alone).append((source, names))
+    return alone, replacements
 
 
-def piece(script, names):
-    """The source of `names` in `script` and of every other top-level function or class of it they use, in the
-    script's order, decorators included."""
-    source = (ROOT / script).read_text()
-    tree = ast.parse(source)
-    defined = {node.name: node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
-    missing = [name for name in names if name not in defined]
-    assert not missing, f"{script} defines no {missing}"
-    wanted, frontier = set(names), list(names)
-    while frontier:
-        for node in ast.walk(defined[frontier.pop()]):
-            if isinstance(node, ast.Name) and node.id in defined and node.id not in wanted:
-                wanted.add(node.id)
-                frontier.append(node.id)
-    lines = source.splitlines()
-    chosen = sorted((defined[name] for name in wanted), key=lambda node: node.lineno)
-    return "\n\n\n".join("\n".join(lines[min([node.lineno, *(d.lineno for d in node.decorator_list)]) - 1:
-                                         node.end_lineno]) for node in chosen)
+def definitions(source):
+    """{name: (first line, last line)} of `source`'s top-level functions, classes (decorators included) and
+    assignments."""
+    text = (ROOT / source).read_text()
+    found = {}
+    for node in ast.parse(text).body:
+        first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            found[node.name] = (first, node.end_lineno)
+        elif isinstance(node, ast.Assign):
+            for target in node.targets:
+                found.update({name.id: (first, node.end_lineno) for name in ast.walk(target)
+                              if isinstance(name, ast.Name)})
+    return text.splitlines(), found
 
 
-def standard_library_imports(script):
-    """`script`'s import lines of standard-library modules (argparse, functools, types...)."""
-    lines = (ROOT / script).read_text().splitlines()
+def standard_library_imports(source):
+    """`source`'s import lines of standard-library modules (argparse, functools, types...)."""
+    lines = (ROOT / source).read_text().splitlines()
     imports = [node for node in ast.parse("\n".join(lines)).body if isinstance(node, (ast.Import, ast.ImportFrom))]
     return "".join(lines[node.lineno - 1] + "\n" for node in imports
                    if (node.module if isinstance(node, ast.ImportFrom) else node.names[0].name).split(".")[0]
                    in sys.stdlib_module_names)
 
 
-def load_piece(script, names):
-    """`names` of `script` and what they use, alone in a fresh module."""
-    code = piece(script, names)
-    assert not re.search(r"\b(common|harness)\.", code), f"{script}'s {names} lean on common.py or harness.py"
-    module = types.ModuleType(f"copied_from_{Path(script).stem}")
-    source = standard_library_imports(script) + TORCH_IMPORTS + code
-    exec(compile(source, f"<{script}: {', '.join(names)}>", "exec"), module.__dict__)
+def copied(*pieces):
+    """A fresh module of exactly the named definitions, [(file, names), ...] in the order given, a later copy of a
+    name replacing an earlier one; calls of common.py's copied names lose their `common.`, as the autocast row says."""
+    code, imports, from_common = {}, [], set()
+    for source, names in pieces:
+        lines, found = definitions(source)
+        missing = [name for name in names if name not in found]
+        assert not missing, f"{source} defines no {missing}"
+        imports.append(standard_library_imports(source))
+        for name in names:
+            first, last = found[name]
+            code[name] = "\n".join(lines[first - 1:last])
+        from_common |= set(names) if source == "common.py" else set()
+    source_code = "\n\n\n".join(code.values())
+    for name in from_common:
+        source_code = re.sub(rf"\bcommon\.{name}\b", name, source_code)
+    assert not re.search(r"\b(common|harness)\.", source_code), "a copied piece leans on common.py or harness.py"
+    module = types.ModuleType("client_pieces")
+    exec(compile("".join(imports) + TORCH_IMPORTS + source_code, "<copied pieces>", "exec"), module.__dict__)
     return module
 
 
-def small_cnn():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
-                         nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+# ------------------------------------------------------------------------------------ the client
+
+class TutorialNet(nn.Module):
+    """The tutorial's net, smaller: two convolutions with max-pooling, then a classifier sized for 32 x 32 images
+    (16 x 5 x 5 inputs); with `global_pooling`, what the resizing row asks, one that takes any image size."""
+
+    def __init__(self, global_pooling=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv1, self.conv2 = nn.Conv2d(3, 6, 5), nn.Conv2d(6, 16, 5)
+        self.pool = nn.AdaptiveAvgPool2d(1) if global_pooling else nn.Identity()
+        self.fc = nn.Linear(16 if global_pooling else 16 * 5 * 5, 4)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc(self.pool(x).flatten(1))
 
 
-def tiny_dataset(count=64, side=32):
-    """A CIFAR-10-shaped dataset: uint8 N x H x W x 3 images, labels 0-3, learnable (label = a brightness band)."""
+def client_dataset(count=128, side=32):
+    """The client's data, CIFAR-10's layout: `data`, uint8 N x H x W x 3, and `targets`; 4 classes, learnable (each
+    a brightness band)."""
     generator = np.random.default_rng(0)
     labels = generator.integers(0, 4, count)
     images = (generator.integers(0, 40, (count, side, side, 3)) + 60 * labels[:, None, None, None]).astype(np.uint8)
-    return SimpleNamespace(data=images, targets=labels.tolist())
+    return types.SimpleNamespace(data=images, targets=labels.tolist())
 
 
-STATISTICS = torch.tensor([[120.0, 120.0, 120.0], [70.0, 70.0, 70.0]]).view(2, 1, 3, 1, 1)  # mean, std in uint8 units
+def client_batches(dataset, batch_size=16):
+    """The tutorial's loader, reduced: float batches in [0, 1], N x 3 x H x W, in order."""
+    images = torch.as_tensor(dataset.data).permute(0, 3, 1, 2).float() / 255
+    labels = torch.as_tensor(dataset.targets)
+    return [(images[start:start + batch_size], labels[start:start + batch_size])
+            for start in range(0, len(labels), batch_size)]
 
 
-def the_dataset_on_the_device(module):
-    images, labels = module.load_to_device(tiny_dataset(), CPU)
-    assert images.dtype == torch.uint8 and images.shape == (64, 3, 32, 32) and labels.tolist() == tiny_dataset().targets
-    indices = torch.randperm(64)[:16]
-    offsets, flips = torch.randint(0, 9, (2, 16, 1)), torch.rand(16, 1) < 0.5
-    augmented = module.augment(module.normalize(images[indices], STATISTICS), offsets, flips, 4)
-    assert augmented.shape == (16, 3, 32, 32) and augmented.dtype == torch.float32
-    # the crop at the centre, unflipped, is the normalized image itself: labels stay with their images
-    centred = module.augment(module.normalize(images[indices], STATISTICS), torch.full((2, 16, 1), 4),
-                             torch.zeros(16, 1, dtype=torch.bool), 4)
-    assert torch.equal(centred, module.normalize(images[indices], STATISTICS))
-    assert labels[indices].tolist() == [tiny_dataset().targets[i] for i in indices.tolist()]
-
-
-def the_captured_step_run_uncaptured(module):
-    """The step on a plan of 4 steps of 16 images, run as a function (capturing needs a GPU): its loss falls."""
-    dataset = tiny_dataset()
-    images, labels = torch.as_tensor(dataset.data).permute(0, 3, 1, 2), torch.as_tensor(dataset.targets)
-    args = SimpleNamespace(batch_size=16, accum_steps=1)
-    model = small_cnn()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01), fused=True)
-    run = SimpleNamespace(args=args, device=CPU, amp_dtype=torch.float32, model=model, optimizer=optimizer,
-                          criterion=nn.CrossEntropyLoss(), scaler=torch.amp.GradScaler("cpu", enabled=False),
-                          train_data=(images, labels), statistics=STATISTICS, crop_padding=4,
-                          plan=module.empty_plan(4, args, CPU))
-    first_losses = None
-    for _ in range(5):  # epochs
-        run.plan.batches.copy_(torch.randperm(64).view(4, 16))
-        run.plan.offsets.fill_(4)
-        run.plan.schedule.fill_(0.01)
-        for counter in (run.plan.step, run.plan.losses, run.plan.correct):
-            counter.zero_()
-        for _ in range(4):
-            module.train_step(run)
-        assert run.plan.step.item() == 4  # the counter on the device moved one step a call
-        first_losses = run.plan.losses.clone() if first_losses is None else first_losses
-    assert run.plan.losses.mean() < 0.8 * first_losses.mean()
-    assert callable(module.cuda_graph)  # copied whole; it wraps a step only where CUDA runs
-
-
-def progressive_resizing(module):
-    sizes = module.image_sizes(20, 16, 32, 0.3)
-    assert [sizes.count(size) for size in (16, 24, 32)] == [7, 7, 6] and sizes == sorted(sizes)
-    images = torch.rand(4, 3, 32, 32)
-    assert module.downscale(images, 16).shape == (4, 3, 16, 16) and module.downscale(images, 32) is images
-    assert torch.allclose(module.downscale(images, 16).mean(), images.mean(), atol=1e-6)  # a mean of each 2x2
-
-
-def muon(module):
-    """Muon for the filters of a small CNN and torch's AdamW for the rest: a few steps lower its loss."""
-    model = small_cnn()
-    filters = [parameter for parameter in model.parameters() if parameter.ndim == 4]
-    others = [parameter for parameter in model.parameters() if parameter.ndim != 4]
-    optimizers = [module.Muon(filters, lr=0.02, dtype=torch.float32), torch.optim.AdamW(others, lr=0.02)]
-    images, labels = torch.rand(32, 3, 16, 16), torch.arange(32) % 4
-    images += labels.view(-1, 1, 1, 1) * 0.5
+def client_loop(model, optimizers, batches, epochs=4, prepare=lambda images, epoch: images):
+    """The tutorial's loop: forward, loss, backward, step, for each batch; each epoch's mean loss."""
     losses = []
-    for _ in range(10):
-        loss = nn.functional.cross_entropy(model(images), labels)
-        losses.append(loss.item())
-        loss.backward()
-        for optimizer in optimizers:
+    for epoch in range(epochs):
+        total = 0.0
+        for images, labels in batches:
+            loss = F.cross_entropy(model(prepare(images, epoch)), labels)
+            loss.backward()
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
+            total += loss.item()
+        losses.append(total / len(batches))
+    return losses
+
+
+def learned(losses):
+    return losses[-1] < 0.8 * losses[0]
+
+
+# ------------------------------------------------------------------------------------ each row, alone
+
+def autocast_row(pieces):
+    """The client's forward and loss in the 16-bit type its hardware runs natively, float16's through GradScaler."""
+    dtype, why = pieces.autocast_dtype(CPU)
+    assert dtype in (torch.bfloat16, torch.float32) and why
+    model = TutorialNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", enabled=dtype == torch.float16)
+    losses = []
+    for _ in range(4):
+        total = 0.0
+        for images, labels in client_batches(client_dataset()):
+            with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+                loss = F.cross_entropy(model(images), labels)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            total += loss.item()
+        losses.append(total)
+    assert learned(losses), losses
+
+
+class ClientImages(torch.utils.data.Dataset):
+    """The client's dataset of PIL images, as torchvision's datasets give them to a transform."""
+
+    def __init__(self, dataset, transform):
+        self.dataset, self.transform = dataset, transform
+
+    def __len__(self):
+        return len(self.dataset.targets)
+
+    def __getitem__(self, index):
+        from PIL import Image
+        return self.transform(Image.fromarray(self.dataset.data[index])), self.dataset.targets[index]
+
+
+def transforms_row(pieces):
+    """The client's loader with the row's crop, flip and normalization; OneCycleLR and label smoothing as its lines."""
+    loader = torch.utils.data.DataLoader(ClientImages(client_dataset(), pieces.augmented_transform()), batch_size=16)
+    model = TutorialNet()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.01, total_steps=4 * len(loader),
+                                                    pct_start=0.25, cycle_momentum=False)
+    criterion = nn.CrossEntropyLoss(label_smoothing=0.1)
+    losses = []
+    for _ in range(4):
+        total = 0.0
+        for images, labels in loader:
+            assert images.shape == (16, 3, 32, 32) and abs(images.mean()) < 3  # normalized
+            loss = criterion(model(images), labels)
+            loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-    assert losses[-1] < 0.7 * losses[0], losses
-    singular_values = torch.linalg.svdvals(module.orthogonalize(torch.randn(8, 72), 5, torch.float32))
+            scheduler.step()
+            total += loss.item()
+        losses.append(total)
+    assert learned(losses), losses
+
+
+def data_row(pieces):
+    """The client's loop fed from the device: uint8 images there, normalized, cropped and flipped a batch at a time,
+    the epoch drawn at once and iterated like a loader; the losses kept on the device, read once an epoch."""
+    images, labels = pieces.load_to_device(client_dataset(), CPU)
+    assert images.dtype == torch.uint8 and images.shape == (128, 3, 32, 32)
+    statistics = pieces.channel_statistics(images)
+    pixels = images.transpose(0, 1).flatten(1).double()
+    assert torch.allclose(statistics.flatten(), torch.cat([pixels.mean(1), pixels.std(1, correction=0)]).float())
+    # the crop at the centre, unflipped, is the normalized image itself: labels stay with their images
+    centred = pieces.augment(pieces.normalize(images[:8], statistics), torch.full((2, 8, 1), 2),
+                             torch.zeros(8, 1, dtype=torch.bool), 2)
+    assert torch.equal(centred, pieces.normalize(images[:8], statistics))
+    model = TutorialNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    generator, epoch_losses = torch.Generator().manual_seed(0), []
+    for _ in range(4):
+        losses = []
+        for indices, offsets, flips in zip(*pieces.draw_epoch(len(labels), 16, 2, generator)):
+            batch = pieces.augment(pieces.normalize(images[indices], statistics), offsets, flips, 2)
+            loss = F.cross_entropy(model(batch), labels[indices])
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach())  # on the device: no wait a step
+        epoch_losses.append(torch.stack(losses).mean().item())  # the one read an epoch
+    assert learned(epoch_losses), epoch_losses
+
+
+def capturable_adamw(parameters, lr=0.01, device=CPU):
+    """The optimizer the graph row asks for: its rate a tensor on the device, updated in tensor ops."""
+    return torch.optim.AdamW(parameters, lr=torch.tensor(lr, device=device), fused=True, capturable=True)
+
+
+def step_epochs(pieces, model, optimizers, device=CPU, epochs=4, sizes=None):
+    """The client's training as the graph row makes it: a plan on the device, the step built and (on CUDA) captured,
+    plan_epoch before each epoch, the step called once a step; each epoch's mean loss."""
+    images, labels = pieces.load_to_device(client_dataset(), device)
+    statistics = pieces.channel_statistics(images)
+    steps, generator = len(labels) // 16, torch.Generator(device).manual_seed(0)
+    plan = pieces.empty_plan((images, labels), statistics, 2, steps, 16)
+    step = pieces.train_step(model, nn.CrossEntropyLoss(), optimizers, plan,
+                             pieces.autocast_dtype(device)[0] if hasattr(pieces, "autocast_dtype") else torch.float32)
+    if sizes is None:
+        graphed = {None: pieces.cuda_graph(step, device)}
+    else:  # the resizing row's step takes an image size: one graph per size
+        graphed = {size: pieces.cuda_graph(lambda size=size: step(size), device) for size in set(sizes)}
+    rates, losses = torch.linspace(0.01, 0.001, steps, device=device), []
+    for epoch in range(epochs):
+        pieces.plan_epoch(plan, pieces.draw_epoch(len(labels), 16, 2, generator), rates)
+        for _ in range(steps):
+            graphed[None if sizes is None else sizes[epoch]]()
+        losses.append(plan.losses.mean().item())
+    return losses, plan
+
+
+def graph_row(pieces, capsys):
+    """The client's step as one function over a plan, uncaptured on the CPU (one line says so); each of its demands
+    said where it bites."""
+    model = TutorialNet()
+    losses, plan = step_epochs(pieces, model, [capturable_adamw(model.parameters())])
+    assert learned(losses), losses
+    assert capsys.readouterr().out.count("step: run as a function, not captured: CUDA graphs are CUDA's") == 1
+    assert plan.cursor.item() == 0, "the epoch's last step wraps the cursor to its first"
+    float_rate = torch.optim.AdamW(model.parameters(), lr=0.01)
+    with pytest.raises(TypeError, match=r"AdamW's learning rate is a float.*lr=torch\.tensor"):
+        pieces.train_step(model, nn.CrossEntropyLoss(), [float_rate], plan)
+    images, labels = pieces.load_to_device(client_dataset(), CPU)
+    empty = pieces.empty_plan((images, labels), pieces.channel_statistics(images), 2, 8, 16)
+    step = pieces.train_step(model, nn.CrossEntropyLoss(), [capturable_adamw(model.parameters())], empty)
+    with pytest.raises(RuntimeError, match="plan_epoch"):
+        step()
+
+
+def resizing_row(pieces):
+    """Smaller images in the early epochs, the client's model made to take any size as the row says."""
+    sizes = pieces.image_sizes(4)  # opt5's defaults: from 16 px, the last 30 % of the epochs at 32
+    assert sizes == [16, 16, 24, 32]
+    batches = client_batches(client_dataset())
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):  # a classifier sized for 32 x 32
+        client_loop(TutorialNet(), [], batches, prepare=lambda images, epoch: pieces.downscale(images, sizes[epoch]))
+    model = TutorialNet(global_pooling=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = client_loop(model, [optimizer], batches, prepare=lambda images, epoch: pieces.downscale(images,
+                                                                                                   sizes[epoch]))
+    assert learned(losses), losses
+
+
+def muon_row(pieces):
+    """Muon for the client's filters, AdamW for the rest: every filter moves and the loss falls."""
+    model = TutorialNet()
+    filters = [parameter for parameter in model.parameters() if parameter.ndim == 4]
+    others = [parameter for parameter in model.parameters() if parameter.ndim != 4]
+    muon = pieces.Muon(filters, lr=0.02)
+    assert muon.dtype == torch.float32, "Newton-Schulz in float32 where no GPU runs bfloat16"
+    before = [weight.detach().clone() for weight in filters]
+    losses = client_loop(model, [muon, torch.optim.AdamW(others, lr=0.02)], client_batches(client_dataset()))
+    assert learned(losses), losses
+    assert all(not torch.equal(weight, old) for weight, old in zip(filters, before)), "every filter moved"
+    singular_values = torch.linalg.svdvals(pieces.orthogonalize(torch.randn(8, 72), 5, torch.float32))
     assert singular_values.min() > 0.6 and singular_values.max() < 1.3
 
 
-def data_parallelism(module):
-    """In a one-process gloo group started as torchrun starts it: the group, a DDP step, the statistics averaged; and
-    two ranks' shares of an epoch, drawn apart: disjoint, together the global batches."""
+def parallelism_row(pieces):
+    """In a one-process gloo group started as torchrun starts it: the group, a DDP step, the BatchNorm buffers averaged;
+    and two ranks' shares of one epoch drawn alike: disjoint, together the global batches."""
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
@@ -182,48 +336,107 @@ def data_parallelism(module):
     saved = {name: os.environ.get(name) for name in torchrun}
     os.environ.update(torchrun)
     try:
-        rank, world_size, device = module.setup_distributed(CPU)
+        rank, world_size, device = pieces.setup_distributed(CPU)
         assert (rank, world_size, device) == (0, 1, CPU) and torch.distributed.get_backend() == "gloo"
-        model = DistributedDataParallel(small_cnn(), gradient_as_bucket_view=True)
-        nn.functional.cross_entropy(model(torch.rand(8, 3, 16, 16)), torch.arange(8) % 4).backward()
+        network = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.LazyLinear(4))
+        network(torch.rand(2, 3, 8, 8))
+        model = DistributedDataParallel(network, gradient_as_bucket_view=True)
+        F.cross_entropy(model(torch.rand(8, 3, 8, 8)), torch.arange(8) % 4).backward()
         assert all(parameter.grad is not None for parameter in model.parameters())
-        statistics = [buffer.clone() for buffer in model.buffers()]
-        module.average_batchnorm_statistics(model, world_size)  # one rank: its own statistics
-        assert all(torch.equal(before, after) for before, after in zip(statistics, model.buffers()))
+        buffers = [buffer.clone() for buffer in model.buffers()]
+        pieces.average_batchnorm_buffers(model, world_size)  # one rank: its own
+        assert all(torch.equal(before, after) for before, after in zip(buffers, model.buffers()))
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         for name, value in saved.items():
             os.environ.pop(name) if value is None else os.environ.update({name: value})
-    shares = []
-    for rank in (0, 1):
-        run = SimpleNamespace(args=SimpleNamespace(batch_size=8, accum_steps=1), device=CPU, crop_padding=4,
-                              generator=torch.Generator().manual_seed(0), rank=rank, world_size=2)
-        batches, offsets, flips = module.draw_epoch(run, 64)
-        assert batches.shape == (4, 8) and offsets.shape == (4, 2, 8, 1) and flips.shape == (4, 8, 1)
-        shares.append(batches)
+    draws = [torch.randperm(64, generator=torch.Generator().manual_seed(0)).view(4, 16), torch.zeros(4, 2, 16, 1),
+             torch.zeros(4, 16, 1)]
+    shares = [pieces.rank_share(draws, rank, 8)[0] for rank in (0, 1)]
     assert torch.equal(torch.cat(shares, 1).flatten().sort().values, torch.arange(64))  # disjoint, all 64 images
 
 
-EXERCISES = {"load_to_device": the_dataset_on_the_device, "train_step": the_captured_step_run_uncaptured,
-             "image_sizes": progressive_resizing, "Muon": muon, "setup_distributed": data_parallelism}
+ROWS = {"16-bit autocast where the hardware runs it, float32 elsewhere": autocast_row,
+        "OneCycleLR, crop + flip, label smoothing": transforms_row,
+        "the dataset on the device, batch augmentation": data_row,
+        "the whole step on device buffers, one CUDA graph": graph_row,
+        "progressive resizing (16, 24, then 32 px)": resizing_row,
+        "Muon for the convolution filters, beside AdamW": muon_row,
+        "data parallelism": parallelism_row}
 
 
 def rows_of_code():
-    return [(optimization, *code) for optimization, where in copy_table() if (code := named_code(where))]
+    return [optimization for optimization in copy_table() if row_names(optimization)[0]]
 
 
-def test_the_copy_table_names_code_in_most_rows_and_settings_in_the_rest():
-    rows = copy_table()
-    assert len(rows) >= 8
-    for optimization, where in rows:
-        assert where.startswith("settings") or named_code(where)[1], f"{optimization}: names no code, says no settings"
-    assert len(rows_of_code()) >= 5
+def test_every_row_of_code_has_a_client_test_and_says_what_it_needs():
+    assert len(copy_table()) >= 8 and rows_of_code() == list(ROWS)
+    for optimization, (copy, needs) in copy_table().items():
+        assert needs, f"{optimization}: says nothing of what the client must give"
+        assert copy.startswith("settings") or row_names(optimization)[0], f"{optimization}: no code, not settings"
 
 
-@pytest.mark.parametrize("optimization, script, names", rows_of_code(), ids=[row[0][:40] for row in rows_of_code()])
-def test_a_row_of_the_copy_table_copies_alone_and_works(optimization, script, names):
-    module = load_piece(script, names)
-    exercise = next((EXERCISES[name] for name in names if name in EXERCISES), None)
-    assert exercise is not None, f"{optimization}: no exercise for {names}"
-    exercise(module)
+@pytest.mark.parametrize("optimization", list(ROWS), ids=[name[:40] for name in ROWS])
+def test_a_row_copied_alone_into_the_client_does_what_it_promises(optimization, capsys):
+    pieces = copied(*row_names(optimization)[0])
+    exercise = ROWS[optimization]
+    exercise(pieces, capsys) if exercise is graph_row else exercise(pieces)
+
+
+def test_a_row_that_names_too_little_fails():
+    pieces = copied(("opt4.py", ["empty_plan", "plan_epoch", "train_step", "cuda_graph", "load_to_device",
+                                 "channel_statistics", "draw_epoch"]))  # without micro_batch_loss and the rest
+    with pytest.raises(NameError, match="micro_batch_loss"):
+        step_epochs(pieces, TutorialNet(), [capturable_adamw(TutorialNet().parameters())], epochs=1)
+
+
+def sequence():
+    """The pieces of the data, graph, resizing, Muon and autocast rows, copied one row after another."""
+    order = ["the dataset on the device, batch augmentation", "the whole step on device buffers, one CUDA graph",
+             "progressive resizing (16, 24, then 32 px)", "Muon for the convolution filters, beside AdamW",
+             "16-bit autocast where the hardware runs it, float32 elsewhere"]
+    pieces = []
+    for optimization in order:
+        alone, replacements = row_names(optimization)
+        pieces += alone + replacements
+    return copied(*pieces)
+
+
+def test_the_rows_applied_one_after_another_train_the_client():
+    pieces = sequence()
+    model = TutorialNet(global_pooling=True)
+    filters = [parameter for parameter in model.parameters() if parameter.ndim == 4]
+    others = [parameter for parameter in model.parameters() if parameter.ndim != 4]
+    optimizers = [pieces.Muon(filters, torch.tensor(0.01)), capturable_adamw(others)]
+    before = [weight.detach().clone() for weight in filters]
+    losses, _ = step_epochs(pieces, model, optimizers, sizes=pieces.image_sizes(4))
+    assert learned(losses), losses
+    assert all(not torch.equal(weight, old) for weight, old in zip(filters, before)), "every filter moved"
+
+
+@cuda_test
+@pytest.mark.parametrize("in_sequence", [False, True])
+def test_cuda_the_copied_step_replays_as_a_graph_with_host_syncs_forbidden(in_sequence, capsys):
+    gpu = torch.device("cuda")
+    pieces = sequence() if in_sequence else copied(*row_names("the whole step on device buffers, one CUDA graph")[0])
+    model = TutorialNet(global_pooling=True).to(gpu)
+    filters = [parameter for parameter in model.parameters() if parameter.ndim == 4]
+    others = [parameter for parameter in model.parameters() if parameter.ndim != 4]
+    optimizers = [pieces.Muon(filters, torch.tensor(0.01, device=gpu)), capturable_adamw(others, device=gpu)] \
+        if in_sequence else [capturable_adamw(model.parameters(), device=gpu)]
+    images, labels = pieces.load_to_device(client_dataset(), gpu)
+    plan = pieces.empty_plan((images, labels), pieces.channel_statistics(images), 2, 8, 16)
+    step = pieces.train_step(model, nn.CrossEntropyLoss(), optimizers, plan)
+    graphed = pieces.cuda_graph((lambda: step(32)) if in_sequence else step, gpu)
+    generator, rates, losses = torch.Generator(gpu).manual_seed(0), torch.full((8,), 0.01, device=gpu), []
+    for epoch in range(4):
+        pieces.plan_epoch(plan, pieces.draw_epoch(len(labels), 16, 2, generator), rates)
+        torch.cuda.set_sync_debug_mode("error" if epoch else 0)  # epoch 1: the warm-up and the capture
+        try:
+            for _ in range(8):
+                graphed()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        losses.append(plan.losses.mean().item())
+    assert "step: captured as a CUDA graph" in capsys.readouterr().out and losses[-1] < losses[0], losses

@@ -75,7 +75,8 @@ def whitening_stem(patch, images_used=5000, frozen=True):
         network = build()
         stem = network.stem[0]
         images = loaded[0][0][:images_used]
-        weights = whitening_weights(opt5.normalize(images, opt5.channel_statistics(images.device)).cpu())
+        statistics = torch.tensor([common.CIFAR10_MEAN, common.CIFAR10_STD]).view(2, 1, 3, 1, 1) * 255  # opt5's
+        weights = whitening_weights(opt5.normalize(images, statistics.to(images.device)).cpu())
         with torch.no_grad():
             stem.weight[:len(weights)] = weights.to(stem.weight.device)
         stem.weight.requires_grad_(not frozen)  # an optimizer skips a weight that gets no gradient
@@ -87,15 +88,17 @@ def whitening_stem(patch, images_used=5000, frozen=True):
 def alternating_flip(patch):
     """Each image is mirrored in epoch 1 by a coin toss, then in every other epoch after it: over any two epochs
     each image is seen both ways, where independent coins show a quarter of them the same way twice."""
-    plan, first_flips = opt5.plan_epoch, []
+    plan_epoch, first_flips, epochs = opt5.plan_epoch, [], []
 
-    def plan_epoch(run, image_count, epoch):
-        plan(run, image_count, epoch)  # opt5's batches and crops; its coin per position in a batch is replaced below
+    def alternating(plan, draw, rates):
+        plan_epoch(plan, draw, rates)  # opt5's batches and crops; its coin per position in a batch is replaced below
+        image_count, device = len(plan.labels), plan.labels.device
         if not first_flips:
-            generator = torch.Generator(run.device).manual_seed(run.args.seed)
-            first_flips.append(torch.rand(image_count, device=run.device, generator=generator) < 0.5)
-        run.plan.flips.copy_((first_flips[0][run.plan.batches] ^ (epoch % 2 == 0)).unsqueeze(-1))
-    patch(opt5, "plan_epoch", plan_epoch)
+            generator = torch.Generator(device).manual_seed(torch.initial_seed())  # opt5 seeds torch with --seed
+            first_flips.append(torch.rand(image_count, device=device, generator=generator) < 0.5)
+        epochs.append(len(epochs) + 1)
+        plan.flips.copy_((first_flips[0][plan.batches] ^ (epochs[-1] % 2 == 0)).unsqueeze(-1))
+    patch(opt5, "plan_epoch", alternating)
 
 
 def ema_of_the_weights(patch, decay=0.99):
@@ -165,7 +168,7 @@ def whitening_at_each_size(patch, images_used=5000):
 
     def train_one_epoch(run, train_data, epoch, monitor, size):
         if whitened.get("size") != size:
-            images = opt5.downscale(opt5.normalize(run.train_data[0][:images_used], run.statistics), size)
+            images = opt5.downscale(opt5.normalize(run.plan.images[:images_used], run.statistics), size)
             weights = whitening_weights(images.cpu())
             with torch.no_grad():
                 run.model.stem[0].weight[:len(weights)].copy_(weights)  # in place: a captured step keeps its address
@@ -247,7 +250,7 @@ def cudnn_benchmark_at_the_largest_size(patch):
     train = opt5.train_one_epoch
 
     def train_one_epoch(run, train_data, epoch, monitor, size):
-        torch.backends.cudnn.benchmark = size == run.train_data[0].shape[-1]
+        torch.backends.cudnn.benchmark = size == run.plan.images.shape[-1]
         return train(run, train_data, epoch, monitor, size)
     patch(opt5, "train_one_epoch", train_one_epoch)
 

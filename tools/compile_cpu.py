@@ -8,7 +8,6 @@ Random images and a random ResNet10 at opt4's defaults (batch 128, bfloat16 wher
 does not depend on the values. The last line projects opt4's default run (--epochs 5: 1,950 steps, 5 evaluations of
 the 10,000 test images) both ways.
 """
-import functools
 import statistics
 import sys
 import time
@@ -37,15 +36,15 @@ def build(compiled):
     if compiled:
         model.compile()
     args = SimpleNamespace(batch_size=batch_size, accum_steps=1)
-    run = SimpleNamespace(args=args, device=device, amp_dtype=amp_dtype, model=model,
-                          criterion=nn.CrossEntropyLoss(label_smoothing=0.1),
-                          optimizer=opt4.adamw(model.parameters(), 8e-3, device),
-                          scaler=torch.amp.GradScaler("cpu", enabled=False),
-                          generator=torch.Generator().manual_seed(0), train_data=(images, labels),
-                          statistics=opt4.channel_statistics(device),
+    statistics = torch.tensor([common.CIFAR10_MEAN, common.CIFAR10_STD]).view(2, 1, 3, 1, 1) * 255  # opt4's
+    optimizers = [opt4.adamw(model.parameters(), 8e-3, device)]
+    run = SimpleNamespace(args=args, device=device, amp_dtype=amp_dtype, model=model, optimizers=optimizers,
+                          generator=torch.Generator().manual_seed(0), statistics=statistics,
                           schedule=opt4.onecycle_schedule(8e-3, 1000 * STEPS_PER_BLOCK, device),
-                          plan=opt4.empty_plan(STEPS_PER_BLOCK, args, device))
-    return run, functools.partial(opt4.train_step, run)
+                          plan=opt4.empty_plan((images, labels), statistics, common.CROP_PADDING, STEPS_PER_BLOCK,
+                                               batch_size))
+    criterion = nn.CrossEntropyLoss(label_smoothing=0.1)
+    return run, opt4.train_step(model, criterion, optimizers, run.plan, amp_dtype)
 
 
 def timed(function):
@@ -57,7 +56,8 @@ def timed(function):
 def block(run, step, epoch):
     """One epoch of STEPS_PER_BLOCK steps, as train_one_epoch runs them (the plan drawn first)."""
     run.model.train()
-    opt4.plan_epoch(run, len(images), epoch)
+    draw = opt4.draw_epoch(len(images), batch_size, common.CROP_PADDING, run.generator)
+    opt4.plan_epoch(run.plan, draw, run.schedule[(epoch - 1) * STEPS_PER_BLOCK:epoch * STEPS_PER_BLOCK])
     for _ in range(STEPS_PER_BLOCK):
         step()
 

@@ -28,9 +28,9 @@ amp_dtype, _ = opt5.autocast_dtype(device)
 model = common.ResNet10().to(device, memory_format=torch.channels_last)
 if mode == "compiled":
     model.compile(dynamic=False)
-run = SimpleNamespace(model=model, device=device, amp_dtype=amp_dtype, statistics=opt5.channel_statistics(device),
-                      plans={size: opt5.empty_plan(1, batch_size, SimpleNamespace(accum_steps=1), device)
-                             for size in (16, 24, 32)})
+statistics = torch.tensor([common.CIFAR10_MEAN, common.CIFAR10_STD]).view(2, 1, 3, 1, 1) * 255  # opt5's, uint8 units
+run = SimpleNamespace(args=SimpleNamespace(batch_size=batch_size), model=model, device=device, amp_dtype=amp_dtype,
+                      statistics=statistics)
 torch.compile(lambda x: (x.relu() + 1).sum())(torch.randn(64))
 
 
