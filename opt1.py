@@ -32,11 +32,11 @@ def autocast_dtype(device):
         # opt1: bfloat16 only where the GPU runs it natively (emulated it is slow): float32's range, so no GradScaler
         if torch.cuda.is_bf16_supported(including_emulation=False):
             return torch.bfloat16, "bfloat16 autocast: this GPU runs it natively, with float32's range"
-        return torch.float16, "float16 autocast: no bfloat16 below sm_80; tensor cores (V100, T4) run it ~8x float32"
+        return torch.float16, "float16 autocast: no bfloat16 below sm_80; the tensor cores of V100 and T4 run float16"
     unit = common.bfloat16_unit()
     if unit is not None:
         return torch.bfloat16, f"bfloat16 autocast: this CPU runs it natively ({unit})"
-    return torch.float32, "float32: this CPU has no bfloat16 unit, and emulated bfloat16 runs ~12x slower"
+    return torch.float32, "float32: this CPU has no bfloat16 unit, and emulated bfloat16 runs slower than float32"
 
 
 def train_one_epoch(run, loader, epoch, monitor):

@@ -1,5 +1,5 @@
-"""opt2.py: opt1.py + OneCycleLR, gradient accumulation, a bigger batch, pinned memory, loader
-workers, normalized and augmented data, label smoothing and inference_mode.
+"""opt2.py: opt1.py + OneCycleLR (its peak rate probed; beta1 fixed), gradient accumulation, a bigger batch,
+pinned memory, loader workers, normalized and augmented data, label smoothing and inference_mode.
 
     python opt2.py --epochs 5               # CIFAR-10 in ./data, downloaded if missing
     python opt2.py --synthetic --epochs 2   # no download: measures speed only
@@ -22,6 +22,7 @@ import harness
 
 def parse_args():
     # opt2: a bigger batch keeps the GPU busy with fewer, larger kernels and fewer optimizer steps
+    # opt2: 8e-3, the OneCycleLR peak that 5-epoch probes at batch 128 picked (results/README.md)
     parser = harness.build_parser(__doc__, batch_size=128, lr=8e-3)
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="torch.compile the model; --no-compile runs eager (default: on)")
@@ -42,16 +43,16 @@ def autocast_dtype(device):
         # opt1: bfloat16 only where the GPU runs it natively (emulated it is slow): float32's range, so no GradScaler
         if torch.cuda.is_bf16_supported(including_emulation=False):
             return torch.bfloat16, "bfloat16 autocast: this GPU runs it natively, with float32's range"
-        return torch.float16, "float16 autocast: no bfloat16 below sm_80; tensor cores (V100, T4) run it ~8x float32"
+        return torch.float16, "float16 autocast: no bfloat16 below sm_80; the tensor cores of V100 and T4 run float16"
     unit = common.bfloat16_unit()
     if unit is not None:
         return torch.bfloat16, f"bfloat16 autocast: this CPU runs it natively ({unit})"
-    return torch.float32, "float32: this CPU has no bfloat16 unit, and emulated bfloat16 runs ~12x slower"
+    return torch.float32, "float32: this CPU has no bfloat16 unit, and emulated bfloat16 runs slower than float32"
 
 
 def default_workers(device):
     """Loader processes: with a GPU they prepare batches while it computes; on the CPU they would take
-    cores from training (2 workers on 2 cores: 0.80x the speed of none, results/README.md)."""
+    cores from training (results/README.md: the ladder's workers on 2 cores)."""
     if device.type != "cuda":
         return 0
     # opt2: a worker on every core this process may use (its affinity, not the machine's) but one, left to training
@@ -136,13 +137,13 @@ def main():
     # opt1: AdamW scales each weight's step by its recent gradients, so one rate suits every layer untuned
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.05)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bfloat16 needs no scaling
-    # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a fixed rate
     total_steps = args.epochs * (len(train_loader) // args.accum_steps)
     if total_steps < 5:
         common.fail(f"{total_steps} optimizer steps in all are too few for OneCycleLR's warm-up (it needs 5); "
                     "use more --epochs or --train-size")
+    # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a fixed rate
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total_steps, pct_start=0.25,
-                                                    cycle_momentum=False)  # opt2: beta1 kept: cycling it did not help
+                                                    cycle_momentum=False)  # opt2: beta1 fixed: only the rate cycles
     # What the functions above need besides their data, in one object (a setting is read as run.args.name)
     run = SimpleNamespace(
         args=args,

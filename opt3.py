@@ -19,10 +19,11 @@ import harness
 
 def parse_args():
     # opt2: a bigger batch keeps the GPU busy with fewer, larger kernels and fewer optimizer steps
+    # opt2: 8e-3, the OneCycleLR peak that 5-epoch probes at batch 128 picked (results/README.md)
     parser = harness.build_parser(__doc__, batch_size=128, lr=8e-3)
     # opt3: off by default: with the data on the device a short run trains in less time than compiling takes
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
-                        help="torch.compile the model; it pays only where the steps outlast its ~40 s of compiling "
+                        help="torch.compile the model; it pays only where the steps outlast its compiling "
                              "(default: off)")
     parser.add_argument("--accum-steps", type=harness.positive_int, default=1,
                         help="micro-batches per optimizer step; effective batch = batch size x this (default: 1)")
@@ -38,11 +39,11 @@ def autocast_dtype(device):
         # opt1: bfloat16 only where the GPU runs it natively (emulated it is slow): float32's range, so no GradScaler
         if torch.cuda.is_bf16_supported(including_emulation=False):
             return torch.bfloat16, "bfloat16 autocast: this GPU runs it natively, with float32's range"
-        return torch.float16, "float16 autocast: no bfloat16 below sm_80; tensor cores (V100, T4) run it ~8x float32"
+        return torch.float16, "float16 autocast: no bfloat16 below sm_80; the tensor cores of V100 and T4 run float16"
     unit = common.bfloat16_unit()
     if unit is not None:
         return torch.bfloat16, f"bfloat16 autocast: this CPU runs it natively ({unit})"
-    return torch.float32, "float32: this CPU has no bfloat16 unit, and emulated bfloat16 runs ~12x slower"
+    return torch.float32, "float32: this CPU has no bfloat16 unit, and emulated bfloat16 runs slower than float32"
 
 
 def load_to_device(dataset, device):
@@ -52,20 +53,13 @@ def load_to_device(dataset, device):
 
 
 def channel_statistics(images):
-    """The per-channel mean and std of uint8 `images` (N x 3 x H x W) in uint8 units, as the one 2 x 1 x 3 x 1 x 1
-    tensor normalize takes, on their device; summed a chunk at a time, not as a float copy of them all."""
-    sums = torch.zeros(2, 3, dtype=torch.float64, device=images.device)
-    for chunk in images.split(4096):
-        pixels = chunk.transpose(0, 1).flatten(1).double()
-        sums += torch.stack([pixels.sum(1), pixels.square().sum(1)])
-    mean = sums[0] / (images.numel() // 3)
-    std = (sums[1] / (images.numel() // 3) - mean.square()).sqrt()
-    return torch.stack([mean, std]).float().view(2, 1, 3, 1, 1)
+    """The per-channel mean and std of uint8 `images` (N x 3 x H x W) in uint8 units, as normalize takes them."""
+    std, mean = torch.std_mean(images.transpose(0, 1).flatten(1).float(), dim=1, correction=0)
+    return torch.stack([mean, std]).view(2, 1, 3, 1, 1)
 
 
 def normalize(images, statistics):
-    """uint8 images -> float32 with zero mean and unit variance per channel (`statistics`: mean and std, as
-    channel_statistics returns them)."""
+    """uint8 images -> float32 with zero mean and unit variance per channel (`statistics`: channel_statistics')."""
     mean, std = statistics
     return (images.float() - mean) / std
 
@@ -86,10 +80,9 @@ def augment(images, offsets, flips, padding):
 
 
 def draw_epoch(image_count, batch_size, padding, generator, accum_steps=1):
-    """One epoch of a training set of `image_count` images, drawn on `generator`'s device: a fresh permutation cut into
-    full micro-batches of `batch_size`, a whole number of steps of `accum_steps` (the few images left over change each
-    epoch; every batch is full, so the step sees one shape), and every image's crop offsets (for augment's `padding`)
-    and flip. Returns (batches, offsets, flips): micro-batches x batch_size, x 2 x batch_size x 1, x batch_size x 1."""
+    """An epoch of `image_count` images drawn on `generator`'s device: a permutation cut into full micro-batches of
+    `batch_size` (steps of `accum_steps`; the few left over change each epoch), each image's crop offsets (augment's
+    `padding`) and flip: batches, offsets, flips, micro-batches x batch_size, x 2 x batch_size x 1, x batch_size x 1."""
     device = generator.device
     micro_batches = image_count // (batch_size * accum_steps) * accum_steps
     permutation = torch.randperm(image_count, device=device, generator=generator)
@@ -175,7 +168,6 @@ def main():
     train_set, test_set = common.load_data(args, train_transform=None, test_transform=None)
     train_data, test_data = load_to_device(train_set, device), load_to_device(test_set, device)
     generator = torch.Generator(device).manual_seed(args.seed)
-    # CIFAR-10's published mean and std (in uint8 units), which channel_statistics would compute from its images
     statistics = torch.tensor([common.CIFAR10_MEAN, common.CIFAR10_STD], device=device).view(2, 1, 3, 1, 1) * 255
 
     # opt1: cuDNN times its convolution algorithms once per input shape and keeps the fastest
@@ -191,14 +183,14 @@ def main():
     # opt3: fused: one op reads and writes each weight once (a few multi-tensor launches on a GPU), not a dozen passes
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.05, fused=True)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bfloat16 needs no scaling
-    # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a fixed rate
     steps_per_epoch = len(train_set) // args.batch_size // args.accum_steps
     total_steps = args.epochs * steps_per_epoch
     if total_steps < 5:
         common.fail(f"{total_steps} optimizer steps in all are too few for OneCycleLR's warm-up (it needs 5); "
                     "use more --epochs or --train-size")
+    # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a fixed rate
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total_steps, pct_start=0.25,
-                                                    cycle_momentum=False)  # opt2: beta1 kept: cycling it did not help
+                                                    cycle_momentum=False)  # opt2: beta1 fixed: only the rate cycles
     # What the functions above need besides their data, in one object (a setting is read as run.args.name)
     run = SimpleNamespace(
         args=args,

@@ -20,10 +20,11 @@ import harness
 
 def parse_args():
     # opt2: a bigger batch keeps the GPU busy with fewer, larger kernels and fewer optimizer steps
+    # opt2: 8e-3, the OneCycleLR peak that 5-epoch probes at batch 128 picked (results/README.md)
     parser = harness.build_parser(__doc__, batch_size=128, lr=8e-3)
     # opt3: off by default: with the data on the device a short run trains in less time than compiling takes
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
-                        help="torch.compile the model; it pays only where the steps outlast its ~40 s of compiling "
+                        help="torch.compile the model; it pays only where the steps outlast its compiling "
                              "(default: off)")
     parser.add_argument("--accum-steps", type=harness.positive_int, default=1,
                         help="micro-batches per optimizer step; effective batch = batch size x this (default: 1)")
@@ -39,11 +40,11 @@ def autocast_dtype(device):
         # opt1: bfloat16 only where the GPU runs it natively (emulated it is slow): float32's range, so no GradScaler
         if torch.cuda.is_bf16_supported(including_emulation=False):
             return torch.bfloat16, "bfloat16 autocast: this GPU runs it natively, with float32's range"
-        return torch.float16, "float16 autocast: no bfloat16 below sm_80; tensor cores (V100, T4) run it ~8x float32"
+        return torch.float16, "float16 autocast: no bfloat16 below sm_80; the tensor cores of V100 and T4 run float16"
     unit = common.bfloat16_unit()
     if unit is not None:
         return torch.bfloat16, f"bfloat16 autocast: this CPU runs it natively ({unit})"
-    return torch.float32, "float32: this CPU has no bfloat16 unit, and emulated bfloat16 runs ~12x slower"
+    return torch.float32, "float32: this CPU has no bfloat16 unit, and emulated bfloat16 runs slower than float32"
 
 
 def load_to_device(dataset, device):
@@ -53,20 +54,13 @@ def load_to_device(dataset, device):
 
 
 def channel_statistics(images):
-    """The per-channel mean and std of uint8 `images` (N x 3 x H x W) in uint8 units, as the one 2 x 1 x 3 x 1 x 1
-    tensor normalize takes, on their device; summed a chunk at a time, not as a float copy of them all."""
-    sums = torch.zeros(2, 3, dtype=torch.float64, device=images.device)
-    for chunk in images.split(4096):
-        pixels = chunk.transpose(0, 1).flatten(1).double()
-        sums += torch.stack([pixels.sum(1), pixels.square().sum(1)])
-    mean = sums[0] / (images.numel() // 3)
-    std = (sums[1] / (images.numel() // 3) - mean.square()).sqrt()
-    return torch.stack([mean, std]).float().view(2, 1, 3, 1, 1)
+    """The per-channel mean and std of uint8 `images` (N x 3 x H x W) in uint8 units, as normalize takes them."""
+    std, mean = torch.std_mean(images.transpose(0, 1).flatten(1).float(), dim=1, correction=0)
+    return torch.stack([mean, std]).view(2, 1, 3, 1, 1)
 
 
 def normalize(images, statistics):
-    """uint8 images -> float32 with zero mean and unit variance per channel (`statistics`: mean and std, as
-    channel_statistics returns them)."""
+    """uint8 images -> float32 with zero mean and unit variance per channel (`statistics`: channel_statistics')."""
     mean, std = statistics
     return (images.float() - mean) / std
 
@@ -87,10 +81,9 @@ def augment(images, offsets, flips, padding):
 
 
 def draw_epoch(image_count, batch_size, padding, generator, accum_steps=1):
-    """One epoch of a training set of `image_count` images, drawn on `generator`'s device: a fresh permutation cut into
-    full micro-batches of `batch_size`, a whole number of steps of `accum_steps` (the few images left over change each
-    epoch; every batch is full, so the step sees one shape), and every image's crop offsets (for augment's `padding`)
-    and flip. Returns (batches, offsets, flips): micro-batches x batch_size, x 2 x batch_size x 1, x batch_size x 1."""
+    """An epoch of `image_count` images drawn on `generator`'s device: a permutation cut into full micro-batches of
+    `batch_size` (steps of `accum_steps`; the few left over change each epoch), each image's crop offsets (augment's
+    `padding`) and flip: batches, offsets, flips, micro-batches x batch_size, x 2 x batch_size x 1, x batch_size x 1."""
     device = generator.device
     micro_batches = image_count // (batch_size * accum_steps) * accum_steps
     permutation = torch.randperm(image_count, device=device, generator=generator)
@@ -101,9 +94,9 @@ def draw_epoch(image_count, batch_size, padding, generator, accum_steps=1):
 
 
 def empty_plan(train_data, statistics, padding, steps, batch_size, accum_steps=1):
-    """What an epoch of `steps` steps reads and writes, at fixed addresses on the device of `train_data`: images,
-    labels, statistics, padding and accum_steps as given; batches, offsets and flips (draw_epoch's) and rates, as
-    plan_epoch fills them; cursor (the next step); losses and correct; filled (whether plan_epoch has written one)."""
+    """What an epoch of `steps` steps reads and writes, at fixed addresses on `train_data`'s device: images, labels,
+    statistics, padding, accum_steps as given; batches, offsets, flips and rates (plan_epoch's); cursor (the next
+    step); losses, correct; filled (whether plan_epoch has written one)."""
     (images, labels), micro_batches = train_data, steps * accum_steps
     device = images.device
     return SimpleNamespace(
@@ -121,8 +114,7 @@ def empty_plan(train_data, statistics, padding, steps, batch_size, accum_steps=1
 
 
 def plan_epoch(plan, draw, rates):
-    """Write an epoch into the plan: `draw` (draw_epoch's batches, offsets and flips) and `rates` (each step's learning
-    rate); its cursor, losses and correct count back to 0."""
+    """Write an epoch into the plan: `draw` (draw_epoch's) and `rates` (each step's); cursor and tallies back to 0."""
     # opt4: copy_ writes into the buffers the captured step reads, at the addresses it was captured with
     for buffer, values in zip((plan.batches, plan.offsets, plan.flips, plan.rates), (*draw, rates)):
         buffer.copy_(values)
@@ -134,8 +126,9 @@ def plan_epoch(plan, draw, rates):
 def onecycle_schedule(max_lr, total_steps, device):
     """OneCycleLR's rate for every step as a table on `device` (none baked into a captured step), from torch's own."""
     stand_in = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=max_lr)
+    # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a fixed rate
     scheduler = torch.optim.lr_scheduler.OneCycleLR(stand_in, max_lr=max_lr, total_steps=total_steps, pct_start=0.25,
-                                                    cycle_momentum=False)  # opt2: beta1 kept: cycling it did not help
+                                                    cycle_momentum=False)  # opt2: beta1 fixed: only the rate cycles
     rates = []
     for _ in range(total_steps):
         rates.append(stand_in.param_groups[0]["lr"])
@@ -146,6 +139,8 @@ def onecycle_schedule(max_lr, total_steps, device):
 
 def adamw(parameters, lr, device):
     """torch's fused AdamW (weight decay 0.05) with its learning rate in a tensor on `device`."""
+    # opt1: AdamW scales each weight's step by its recent gradients, so one rate suits every layer untuned
+    # opt3: fused: one op reads and writes each weight once (a few multi-tensor launches on a GPU), not a dozen passes
     # opt4: the rate a tensor the schedule writes in place (a graph keeps a float); capturable=True: torch captures it
     return torch.optim.AdamW(parameters, lr=torch.tensor(lr, device=device), weight_decay=0.05, fused=True,
                              capturable=True)
@@ -183,10 +178,9 @@ def optimizer_step(optimizers, plan, scaler):
 
 
 def train_step(model, criterion, optimizers, plan, amp_dtype=torch.float32, scaler=None):
-    """One optimizer step over `plan`, whole, as a function of no arguments: it reads only the device and nothing back,
-    the same work on the same addresses each call, so a GPU can replay it as one CUDA graph (cuda_graph). It asks for
-    plan_epoch before each epoch, and each rate a tensor updated in tensor ops: torch's AdamW with capturable=True
-    (adamw()) does; torch's SGD reads it on the host. `scaler`: float16's GradScaler, or None."""
+    """One optimizer step over `plan`, whole, as a function: it reads only the device and nothing back, the same work on
+    the same addresses each call, so a GPU can replay it as one CUDA graph. It asks for plan_epoch before each epoch,
+    and each rate a tensor updated in tensor ops (AdamW with capturable=True; torch's SGD reads it on the host)."""
     for optimizer in optimizers:
         if not all(isinstance(group["lr"], torch.Tensor) for group in optimizer.param_groups):
             raise TypeError(f"{type(optimizer).__name__}'s learning rate is a float, which a CUDA graph would keep: "
@@ -214,20 +208,19 @@ def cuda_graph(step, device, warmup_steps=3):
     if device.type != "cuda":
         print("step: run as a function, not captured: CUDA graphs are CUDA's")
         return step
-    graph, calls, failed = torch.cuda.CUDAGraph(), 0, False
+    graph, calls = torch.cuda.CUDAGraph(), 0
 
     def graphed_step():
-        nonlocal calls, failed
+        nonlocal graph, calls
         calls += 1
-        if failed:
+        if graph is None:  # the capture failed
             return step()
         if calls <= warmup_steps:
             side_stream = torch.cuda.Stream()
             side_stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side_stream):
                 step()
-            torch.cuda.current_stream().wait_stream(side_stream)
-            return
+            return torch.cuda.current_stream().wait_stream(side_stream)
         if calls == warmup_steps + 1:
             stream = torch.cuda.current_stream()
             try:
@@ -235,7 +228,7 @@ def cuda_graph(step, device, warmup_steps=3):
                     step()
             except Exception as error:  # an op that cannot be captured: the run goes on uncaptured, not lost
                 torch.cuda.set_stream(stream)  # a failed capture can leave its own stream current
-                failed, cause = True, error.__context__ or error  # the op's error, not the failed capture_end's
+                graph, cause = None, error.__context__ or error  # the op's error, not the failed capture_end's
                 why = (str(cause).strip().splitlines() or [""])[0][:160]
                 print(f"step: not captured ({type(cause).__name__}: {why}); this step and the rest run as a function")
                 return step()  # the capture recorded this step but ran none of it
@@ -303,7 +296,6 @@ def main():
     train_set, test_set = common.load_data(args, train_transform=None, test_transform=None)
     train_data, test_data = load_to_device(train_set, device), load_to_device(test_set, device)
     generator = torch.Generator(device).manual_seed(args.seed)
-    # CIFAR-10's published mean and std (in uint8 units), which channel_statistics would compute from its images
     statistics = torch.tensor([common.CIFAR10_MEAN, common.CIFAR10_STD], device=device).view(2, 1, 3, 1, 1) * 255
 
     # opt1: cuDNN times its convolution algorithms once per input shape and keeps the fastest
@@ -315,11 +307,8 @@ def main():
         model.compile()
     # opt2: label smoothing keeps the logits from growing without bound: better accuracy in few epochs
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
-    # opt1: AdamW scales each weight's step by its recent gradients, so one rate suits every layer untuned
-    # opt3: fused: one op reads and writes each weight once (a few multi-tensor launches on a GPU), not a dozen passes
     optimizers = [adamw(model.parameters(), args.lr, device)]  # a list, as train_step takes them
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bfloat16 needs no scaling
-    # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a fixed rate
     steps_per_epoch = len(train_set) // args.batch_size // args.accum_steps
     total_steps = args.epochs * steps_per_epoch
     if total_steps < 5:

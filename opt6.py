@@ -1,4 +1,6 @@
-"""opt6.py: opt5.py + data parallelism over many GPUs and machines: DistributedDataParallel under torchrun.
+"""opt6.py: opt5.py + data parallelism over many GPUs and machines: DistributedDataParallel under torchrun. Each
+process trains on its share of every global batch at opt5's rate x sqrt(processes), the square-root rule again; under
+torchrun the step runs uncaptured: DDP's hooks launch its all-reduce, which a graph would need set up to hold.
 
     torchrun --nproc_per_node=8 opt6.py                           # one machine, 8 GPUs
     torchrun --nnodes=2 --node_rank=0 --nproc_per_node=8 --rdzv_endpoint=HOST:29500 opt6.py
@@ -24,31 +26,41 @@ import common
 import harness
 
 
+# opt5: the recipe, each setting once, flags' defaults (results/README.md: the recipe's runs, how it was picked)
+RECIPE = dict(
+    epochs=20,            # 20 epochs of 512 images a step: as many steps as 5 of 128 (opt4), each a 4x batch
+    batch_size=512,       # fewer, larger kernels a step than opt4's 128
+    lr=0.016,             # opt4's 0.008 x sqrt(512 / 128): the square-root rule for a 4x batch
+    min_size=16,          # the first epochs' image side; it grows in steps of 8 to 32
+    full_size_share=0.3,  # the last 30 % of the epochs at 32 x 32
+    monitor_size=1000,    # test images scored after each epoch but the last, which scores them all
+    optimizer="muon",     # Muon for the filters, AdamW for the rest
+    ns_steps=3,           # Newton-Schulz iterations a Muon update, as airbench94_muon.py; torch.optim.Muon's: 5
+)
+
+
 def parse_args():
-    # opt5: the recipe, picked on held-out images: 4x the batch for as many steps; a GPU step's cost is mostly fixed
-    parser = harness.build_parser(__doc__, batch_size=512, lr=0.016, epochs=20)
+    parser = harness.build_parser(__doc__, **{name: RECIPE[name] for name in ("batch_size", "lr", "epochs")})
     # opt3: off by default: with the data on the device a short run trains in less time than compiling takes
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
-                        help="torch.compile the model; it pays only where the steps outlast its ~40 s of compiling "
+                        help="torch.compile the model; it pays only where the steps outlast its compiling "
                              "(default: off)")
     parser.add_argument("--accum-steps", type=harness.positive_int, default=1,
                         help="micro-batches per optimizer step; effective batch = batch size x this (default: 1)")
     parser.add_argument("--label-smoothing", type=harness.fraction, default=0.1,
                         help="weight of the uniform target mixed into each label (default: 0.1)")
-    parser.add_argument("--min-size", type=int, default=16, choices=[8, 16, 24, 32],
-                        help="image size of the first epoch; it grows to the full size (32) by the last (default: 16)")
-    parser.add_argument("--full-size-share", type=harness.fraction, default=0.3,
+    parser.add_argument("--min-size", type=int, default=RECIPE["min_size"], choices=[8, 16, 24, 32],
+                        help=f"first epoch's image side, growing to 32 by the last (default: {RECIPE['min_size']})")
+    parser.add_argument("--full-size-share", type=harness.fraction, default=RECIPE["full_size_share"],
                         help="share of the epochs at the full size, the last ones (at least one); the smaller sizes "
-                             "share the rest equally (default: 0.3)")
-    parser.add_argument("--monitor-size", type=harness.positive_int, default=1000,
-                        help="test images evaluated after each epoch but the last, which evaluates them all "
-                             "(default: 1000)")
-    parser.add_argument("--optimizer", choices=["muon", "adamw"], default="muon",
+                             f"share the rest equally (default: {RECIPE['full_size_share']})")
+    parser.add_argument("--monitor-size", type=harness.positive_int, default=RECIPE["monitor_size"],
+                        help=f"test images evaluated after each epoch but the last (default: {RECIPE['monitor_size']})")
+    parser.add_argument("--optimizer", choices=["muon", "adamw"], default=RECIPE["optimizer"],
                         help="muon: Muon for the convolution filters and AdamW for the rest; adamw: AdamW for all, "
-                             "as opt4 (default: muon)")
-    parser.add_argument("--ns-steps", type=harness.positive_int, default=3,
-                        help="Newton-Schulz iterations in each Muon update: 3, as airbench94_muon.py (a CIFAR-10 "
-                             "speed record) runs; 5, torch.optim.Muon's default, is 5/3 the matmul work (default: 3)")
+                             f"as opt4 (default: {RECIPE['optimizer']})")
+    parser.add_argument("--ns-steps", type=harness.positive_int, default=RECIPE["ns_steps"],
+                        help=f"Newton-Schulz iterations in each Muon update (default: {RECIPE['ns_steps']})")
     args = parser.parse_args()
     world_size = int(os.environ["WORLD_SIZE"]) if harness.started_by_torchrun() else 1  # opt6: processes in the job
     return harness.check_args(args, images_per_step=args.batch_size * args.accum_steps * world_size)
@@ -85,11 +97,11 @@ def autocast_dtype(device):
         # opt1: bfloat16 only where the GPU runs it natively (emulated it is slow): float32's range, so no GradScaler
         if torch.cuda.is_bf16_supported(including_emulation=False):
             return torch.bfloat16, "bfloat16 autocast: this GPU runs it natively, with float32's range"
-        return torch.float16, "float16 autocast: no bfloat16 below sm_80; tensor cores (V100, T4) run it ~8x float32"
+        return torch.float16, "float16 autocast: no bfloat16 below sm_80; the tensor cores of V100 and T4 run float16"
     unit = common.bfloat16_unit()
     if unit is not None:
         return torch.bfloat16, f"bfloat16 autocast: this CPU runs it natively ({unit})"
-    return torch.float32, "float32: this CPU has no bfloat16 unit, and emulated bfloat16 runs ~12x slower"
+    return torch.float32, "float32: this CPU has no bfloat16 unit, and emulated bfloat16 runs slower than float32"
 
 
 def load_to_device(dataset, device):
@@ -99,20 +111,13 @@ def load_to_device(dataset, device):
 
 
 def channel_statistics(images):
-    """The per-channel mean and std of uint8 `images` (N x 3 x H x W) in uint8 units, as the one 2 x 1 x 3 x 1 x 1
-    tensor normalize takes, on their device; summed a chunk at a time, not as a float copy of them all."""
-    sums = torch.zeros(2, 3, dtype=torch.float64, device=images.device)
-    for chunk in images.split(4096):
-        pixels = chunk.transpose(0, 1).flatten(1).double()
-        sums += torch.stack([pixels.sum(1), pixels.square().sum(1)])
-    mean = sums[0] / (images.numel() // 3)
-    std = (sums[1] / (images.numel() // 3) - mean.square()).sqrt()
-    return torch.stack([mean, std]).float().view(2, 1, 3, 1, 1)
+    """The per-channel mean and std of uint8 `images` (N x 3 x H x W) in uint8 units, as normalize takes them."""
+    std, mean = torch.std_mean(images.transpose(0, 1).flatten(1).float(), dim=1, correction=0)
+    return torch.stack([mean, std]).view(2, 1, 3, 1, 1)
 
 
 def normalize(images, statistics):
-    """uint8 images -> float32 with zero mean and unit variance per channel (`statistics`: mean and std, as
-    channel_statistics returns them)."""
+    """uint8 images -> float32 with zero mean and unit variance per channel (`statistics`: channel_statistics')."""
     mean, std = statistics
     return (images.float() - mean) / std
 
@@ -133,9 +138,8 @@ def augment(images, offsets, flips, padding):
 
 
 def image_sizes(epochs, min_size=16, full_size=32, full_share=0.3):
-    """The side of the images trained on in each epoch, from min_size up in steps of 8: the last full_share of the
-    epochs (rounded, at least one) at full_size, the smaller sizes an equal share of the rest each (the smaller ones
-    any left over): 16,16,16,16,24,24,24,32,32,32,32,32 for 12 epochs and a share of 0.4."""
+    """Each epoch's image side, from min_size up in steps of 8: the last full_share of the epochs (at least one) at
+    full_size, the smaller sides the rest, equally (the smallest any left over): 16 x4, 24 x3, 32 x5 for 12 and 0.4."""
     smaller = range(min_size, full_size, 8)
     at_full = max(1, round(full_share * epochs)) if smaller else epochs
     rest = epochs - at_full
@@ -148,10 +152,9 @@ def downscale(images, size):
 
 
 def draw_epoch(image_count, batch_size, padding, generator, accum_steps=1):
-    """One epoch of a training set of `image_count` images, drawn on `generator`'s device: a fresh permutation cut into
-    full micro-batches of `batch_size`, a whole number of steps of `accum_steps` (the few images left over change each
-    epoch; every batch is full, so the step sees one shape), and every image's crop offsets (for augment's `padding`)
-    and flip. Returns (batches, offsets, flips): micro-batches x batch_size, x 2 x batch_size x 1, x batch_size x 1."""
+    """An epoch of `image_count` images drawn on `generator`'s device: a permutation cut into full micro-batches of
+    `batch_size` (steps of `accum_steps`; the few left over change each epoch), each image's crop offsets (augment's
+    `padding`) and flip: batches, offsets, flips, micro-batches x batch_size, x 2 x batch_size x 1, x batch_size x 1."""
     device = generator.device
     micro_batches = image_count // (batch_size * accum_steps) * accum_steps
     permutation = torch.randperm(image_count, device=device, generator=generator)
@@ -170,9 +173,9 @@ def rank_share(draw, rank, batch_size):
 
 
 def empty_plan(train_data, statistics, padding, steps, batch_size, accum_steps=1):
-    """What an epoch of `steps` steps reads and writes, at fixed addresses on the device of `train_data`: images,
-    labels, statistics, padding and accum_steps as given; batches, offsets and flips (draw_epoch's) and rates, as
-    plan_epoch fills them; cursor (the next step); losses and correct; filled (whether plan_epoch has written one)."""
+    """What an epoch of `steps` steps reads and writes, at fixed addresses on `train_data`'s device: images, labels,
+    statistics, padding, accum_steps as given; batches, offsets, flips and rates (plan_epoch's); cursor (the next
+    step); losses, correct; filled (whether plan_epoch has written one)."""
     (images, labels), micro_batches = train_data, steps * accum_steps
     device = images.device
     return SimpleNamespace(
@@ -190,8 +193,7 @@ def empty_plan(train_data, statistics, padding, steps, batch_size, accum_steps=1
 
 
 def plan_epoch(plan, draw, rates):
-    """Write an epoch into the plan: `draw` (draw_epoch's batches, offsets and flips) and `rates` (each step's learning
-    rate); its cursor, losses and correct count back to 0."""
+    """Write an epoch into the plan: `draw` (draw_epoch's) and `rates` (each step's); cursor and tallies back to 0."""
     # opt4: copy_ writes into the buffers the captured step reads, at the addresses it was captured with
     for buffer, values in zip((plan.batches, plan.offsets, plan.flips, plan.rates), (*draw, rates)):
         buffer.copy_(values)
@@ -203,8 +205,9 @@ def plan_epoch(plan, draw, rates):
 def onecycle_schedule(max_lr, total_steps, device):
     """OneCycleLR's rate for every step as a table on `device` (none baked into a captured step), from torch's own."""
     stand_in = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=max_lr)
+    # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a fixed rate
     scheduler = torch.optim.lr_scheduler.OneCycleLR(stand_in, max_lr=max_lr, total_steps=total_steps, pct_start=0.25,
-                                                    cycle_momentum=False)  # opt2: beta1 kept: cycling it did not help
+                                                    cycle_momentum=False)  # opt2: beta1 fixed: only the rate cycles
     rates = []
     for _ in range(total_steps):
         rates.append(stand_in.param_groups[0]["lr"])
@@ -215,6 +218,8 @@ def onecycle_schedule(max_lr, total_steps, device):
 
 def adamw(parameters, lr, device):
     """torch's fused AdamW (weight decay 0.05) with its learning rate in a tensor on `device`."""
+    # opt1: AdamW scales each weight's step by its recent gradients, so one rate suits every layer untuned
+    # opt3: fused: one op reads and writes each weight once (a few multi-tensor launches on a GPU), not a dozen passes
     # opt4: the rate a tensor the schedule writes in place (a graph keeps a float); capturable=True: torch captures it
     return torch.optim.AdamW(parameters, lr=torch.tensor(lr, device=device), weight_decay=0.05, fused=True,
                              capturable=True)
@@ -222,8 +227,7 @@ def adamw(parameters, lr, device):
 
 def orthogonalize(matrix, steps, dtype):
     """Roughly the semi-orthogonal matrix nearest `matrix` (U V^T of its SVD) by `steps` Newton-Schulz iterations in
-    `dtype`: matmuls, no SVD. Keller Jordan's coefficients take each singular value above 1/56 of the Frobenius norm
-    (3 steps; 1/660 after 5) to 0.68-1.2, not exactly 1: far fewer steps, and that trains as well."""
+    `dtype`, matmuls only: Keller Jordan's coefficients take every singular value not far below the largest near 1."""
     a, b, c = 3.4445, -4.7750, 2.0315
     tall = matrix.size(0) > matrix.size(1)
     x = (matrix.T if tall else matrix).to(dtype)  # wide: x x^T is the smaller Gram matrix
@@ -237,12 +241,11 @@ def orthogonalize(matrix, steps, dtype):
 
 class Muon(torch.optim.Optimizer):
     """Muon (Keller Jordan, 2024) for convolution filters; every other parameter goes to a second optimizer (AdamW).
-    A filter's step is its Nesterov momentum, seen as a matrix (out x in*k*k) and orthogonalized: every direction gets
-    a step of the same size, so the rare directions that a gradient step all but ignores learn as fast as the common
-    ones. Scaled by 0.2 sqrt(max(out, in*k*k)), its size matches AdamW's (Moonlight, Liu et al., 2025), so AdamW's
-    rate and weight decay carry over. torch.optim.Muon takes 2-D weights only."""
+    A filter's step is its Nesterov momentum as a matrix (out x in*k*k), orthogonalized: every direction a step of one
+    size, so the rare ones a gradient step all but ignores learn as fast. Scaled by 0.2 sqrt(max(out, in*k*k)), it
+    matches AdamW's size (Moonlight, Liu et al., 2025): AdamW's rate and weight decay carry over."""
 
-    def __init__(self, filters, lr, weight_decay=0.05, momentum=0.9, steps=3, dtype=None):
+    def __init__(self, filters, lr, weight_decay=0.0, momentum=0.9, steps=3, dtype=None):
         super().__init__(filters, dict(lr=lr, weight_decay=weight_decay, momentum=momentum))
         device = self.param_groups[0]["params"][0].device
         native = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
@@ -298,10 +301,9 @@ def optimizer_step(optimizers, plan, scaler):
 
 
 def train_step(model, criterion, optimizers, plan, amp_dtype=torch.float32, scaler=None):
-    """One optimizer step over `plan`, whole, as a function of no arguments: it reads only the device and nothing back,
-    the same work on the same addresses each call, so a GPU can replay it as one CUDA graph (cuda_graph). It asks for
-    plan_epoch before each epoch, and each rate a tensor updated in tensor ops: torch's AdamW with capturable=True
-    (adamw()) does; torch's SGD reads it on the host. `scaler`: float16's GradScaler, or None."""
+    """One optimizer step over `plan`, whole, as a function: it reads only the device and nothing back, the same work on
+    the same addresses each call, so a GPU can replay it as one CUDA graph. It asks for plan_epoch before each epoch,
+    and each rate a tensor updated in tensor ops (AdamW with capturable=True; torch's SGD reads it on the host)."""
     for optimizer in optimizers:
         if not all(isinstance(group["lr"], torch.Tensor) for group in optimizer.param_groups):
             raise TypeError(f"{type(optimizer).__name__}'s learning rate is a float, which a CUDA graph would keep: "
@@ -333,20 +335,19 @@ def cuda_graph(step, device, warmup_steps=3):
     if device.type != "cuda":
         print("step: run as a function, not captured: CUDA graphs are CUDA's")
         return step
-    graph, calls, failed = torch.cuda.CUDAGraph(), 0, False
+    graph, calls = torch.cuda.CUDAGraph(), 0
 
     def graphed_step():
-        nonlocal calls, failed
+        nonlocal graph, calls
         calls += 1
-        if failed:
+        if graph is None:  # the capture failed
             return step()
         if calls <= warmup_steps:
             side_stream = torch.cuda.Stream()
             side_stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side_stream):
                 step()
-            torch.cuda.current_stream().wait_stream(side_stream)
-            return
+            return torch.cuda.current_stream().wait_stream(side_stream)
         if calls == warmup_steps + 1:
             stream = torch.cuda.current_stream()
             try:
@@ -354,7 +355,7 @@ def cuda_graph(step, device, warmup_steps=3):
                     step()
             except Exception as error:  # an op that cannot be captured: the run goes on uncaptured, not lost
                 torch.cuda.set_stream(stream)  # a failed capture can leave its own stream current
-                failed, cause = True, error.__context__ or error  # the op's error, not the failed capture_end's
+                graph, cause = None, error.__context__ or error  # the op's error, not the failed capture_end's
                 why = (str(cause).strip().splitlines() or [""])[0][:160]
                 print(f"step: not captured ({type(cause).__name__}: {why}); this step and the rest run as a function")
                 return step()  # the capture recorded this step but ran none of it
@@ -407,8 +408,6 @@ def train_one_epoch(run, train_data, epoch, monitor, size):
 
 # opt5: eager even with --compile: compiled, it would compile again at each image size, for seconds it saves none of
 @torch.compiler.set_stance("force_eager")
-# opt5: eager even with --compile: compiled, it would compile again at each image size, for seconds it saves none of
-@torch.compiler.set_stance("force_eager")
 def evaluate(run, test_data, size):
     """Mean loss and accuracy of the model on `test_data` at size x size, each image scored with its mirror."""
     run.model.eval()
@@ -425,7 +424,7 @@ def evaluate(run, test_data, size):
         for start in range(0, len(all_labels), batch_size):
             images = normalize(all_images[start:start + batch_size], run.statistics)
             labels = all_labels[start:start + batch_size]
-            # opt1: the last batch padded to full size (extra outputs dropped): one shape, so one compiled graph
+            # opt5: the last batch padded to full size (extra outputs dropped): the view below takes two whole halves
             images = torch.cat([images, images.new_zeros(batch_size - len(images), *images.shape[1:])])
             images = torch.cat([images, images.flip(3)])
             # opt5: at the size just trained on: its BatchNorm statistics are of images that size
@@ -453,8 +452,10 @@ def main():
     # opt1: 16-bit math only where the hardware runs it: on a CPU without a bfloat16 unit it is emulated, and slow
     amp_dtype, why = autocast_dtype(device)
     print(f"precision: {why}")
+    # opt6: world_size times the batch of one process averages away noise: the peak rate grows by its square root
+    max_lr = args.lr * world_size ** 0.5
     print(f"world size {world_size}: global batch {world_size * args.batch_size * args.accum_steps} "
-          f"(--batch-size x world size x --accum-steps)")
+          f"(--batch-size x world size x --accum-steps), peak rate {max_lr:g} (--lr {args.lr:g} x sqrt(world size))")
     torch.manual_seed(args.seed)
 
     # opt3: the whole dataset on the device as uint8: 4x less to move than float32, and no loader or copy per step
@@ -462,7 +463,6 @@ def main():
         train_set, test_set = common.load_data(args, train_transform=None, test_transform=None)
     train_data, test_data = load_to_device(train_set, device), load_to_device(test_set, device)
     generator = torch.Generator(device).manual_seed(args.seed)
-    # CIFAR-10's published mean and std (in uint8 units), which channel_statistics would compute from its images
     statistics = torch.tensor([common.CIFAR10_MEAN, common.CIFAR10_STD], device=device).view(2, 1, 3, 1, 1) * 255
 
     # opt1: cuDNN times its convolution algorithms once per input shape and keeps the fastest
@@ -484,20 +484,16 @@ def main():
         train_model.compile(dynamic=False)
     # opt2: label smoothing keeps the logits from growing without bound: better accuracy in few epochs
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
-    # opt6: world_size times the batch of one process averages away noise: the peak rate grows by its square root
-    max_lr = args.lr * world_size ** 0.5
-    # opt1: AdamW scales each weight's step by its recent gradients, so one rate suits every layer untuned
-    # opt3: fused: one op reads and writes each weight once (a few multi-tensor launches on a GPU), not a dozen passes
     if args.optimizer == "muon":
         # opt5: Muon for the filters, AdamW for the rest: more accuracy per epoch; Newton-Schulz in native 16-bit
         filters = [parameter for parameter in model.parameters() if parameter.ndim == 4]
-        others = [parameter for parameter in model.parameters() if parameter.ndim != 4]
-        muon = Muon(filters, torch.tensor(max_lr, device=device), steps=args.ns_steps, dtype=amp_dtype)
-        optimizers = [muon, adamw(others, max_lr, device)]
+        others = adamw([parameter for parameter in model.parameters() if parameter.ndim != 4], max_lr, device)
+        muon = Muon(filters, torch.tensor(max_lr, device=device), others.defaults["weight_decay"],
+                    steps=args.ns_steps, dtype=amp_dtype)
+        optimizers = [muon, others]
     else:
         optimizers = [adamw(model.parameters(), max_lr, device)]
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bfloat16 needs no scaling
-    # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a fixed rate
     steps_per_epoch = len(train_set) // (args.batch_size * world_size) // args.accum_steps
     full_size = train_set.data.shape[1]  # opt5: CIFAR-10's 32 x 32, the size the last epochs train on
     sizes = image_sizes(args.epochs, args.min_size, full_size, args.full_size_share)
