@@ -11,10 +11,19 @@ before the first step. With --json every script's own --json line is appended (t
 line with the table. A script that fails (exits non-zero or writes no row) is marked failed in the table, with where
 its output is; the rest still run, and benchmark.py exits 1 after the table.
 
+Seeds and the spread: with --repeats N the chain's round r runs every script with --seed S + r - 1 (S: --seed, 0
+unless told), so the rounds are N trainings, not N copies of one; --same-seed gives every round S instead, for a
+study of timing alone. The table shows medians over the rounds; from 2 rounds on a second table below it shows, per
+script that ran, the mean, sample standard deviation (statistics.stdev: n - 1 in the denominator), minimum and maximum
+of the final test accuracy and of the seconds from launch to result, with n and the seeds. The --json summary line
+holds them for every n: each row's test_accuracy_mean, _std, _min, _max, the same four of launch_to_result_seconds,
+n and seeds (the scripts' own), and the summary's seeds (one a round); with n = 1 the std is null.
+
 The ladder (--ladder): what each optimization buys in speed alone. Every rung gets the same settings (batch 128, 2
 epochs of 2,048 generated images unless told), each rung one more group of optimizations switched on by the scripts'
 own flags; the rungs take turns (A B C, A B C, ...) for --repeats rounds, so slow drift of the machine hits all
-alike, and the table shows medians. Speedup is steady-state images/s over baseline.py's.
+alike, and the table shows medians. Speedup is steady-state images/s over baseline.py's. Every rung and round runs
+--seed S: the rounds repeat one training, so their spread is the machine's.
 """
 import argparse
 import datetime
@@ -76,6 +85,12 @@ def parse_args():
         help="where CIFAR-10 is, or downloads to (default: chain ./data; ladder generated data)")
     add("--synthetic", action="store_true", help="the chain on generated data: speed only (default: off)")
     add("--device", choices=["auto", "cuda", "cpu"], default="auto", help="passed to every script (default: auto)")
+    add("--seed", type=harness.non_negative_int, default=0,
+        help="passed to every script as --seed: the chain's round r gets N + r - 1, the ladder's every round N "
+             "(default: 0)")
+    add("--same-seed", action="store_true",
+        help="the chain: every round gets --seed itself, to time one training N times; the ladder does so always "
+             "(default: off, each round its own seed)")
     add("--json", metavar="PATH", default=None,
         help="append every run's own --json line, then one line with the table (default: off)")
     args = parser.parse_args()
@@ -87,6 +102,8 @@ def parse_args():
         common.fail("--epochs must be at least 2: steady state excludes epoch 1")
     if args.synthetic and args.data_dir:
         common.fail("--synthetic and --data-dir exclude each other: choose one")
+    if args.same_seed and args.ladder:
+        common.fail("--same-seed is for the chain: the ladder gives every round --seed already")
     for script in args.scripts:
         if not (ROOT / script).is_file():
             common.fail(f"no script {script} next to benchmark.py; choose from {' '.join(SCRIPTS)}")
@@ -100,12 +117,21 @@ def runs_to_compare(args):
     return [(script, script, []) for script in args.scripts]
 
 
-def run_once(script, flags, args, json_path):
-    """Run one script once with the settings given (the rest its own defaults); returns (its --json report, None), or
-    (None, why it failed: the table's cell) where it exits non-zero or writes no row."""
+def round_seeds(args):
+    """The seed of each round, in order: --seed + r - 1 for the chain's round r; --seed throughout for the ladder or
+    with --same-seed."""
+    if args.ladder or args.same_seed:
+        return [args.seed] * args.repeats
+    return [args.seed + round_index for round_index in range(args.repeats)]
+
+
+def run_once(script, flags, args, json_path, seed):
+    """Run one script once with the settings given and --seed `seed` (the rest its own defaults); returns (its --json
+    report, None), or (None, why it failed: the table's cell) where it exits non-zero or writes no row."""
     settings = {"--epochs": args.epochs, "--batch-size": args.batch_size, "--train-size": args.train_size,
                 "--test-size": args.test_size, "--data-dir": args.data_dir}
-    command = [sys.executable, str(ROOT / script), "--device", args.device, "--json", json_path, *flags]
+    command = [sys.executable, str(ROOT / script), "--device", args.device, "--json", json_path, "--seed", seed,
+               *flags]
     for flag, value in settings.items():
         command += [flag, value] if value is not None else []
     if args.synthetic or (args.ladder and args.data_dir is None):
@@ -157,6 +183,14 @@ def medians(results, peak_tflops):
     return rows
 
 
+def spread(reports, field):
+    """{"mean", "std", "min", "max"} of `field` over `reports`; std is the sample standard deviation
+    (statistics.stdev, n - 1), None for one report."""
+    values = [report[field] for report in reports]
+    return {"mean": statistics.mean(values), "std": statistics.stdev(values) if len(values) > 1 else None,
+            "min": min(values), "max": max(values)}
+
+
 def steady_by_size(report):
     """{image size: (images/s, ms/step)} of the steady epochs: epochs 2 on, or where the size changes (opt5), each
     size's epochs after its first (a size trained one epoch only, compiling, is left out); "all": one size
@@ -174,7 +208,8 @@ def steady_by_size(report):
 
 
 def chain_rows(results):
-    """One row per script of the chain: the medians over its runs of what the table shows."""
+    """One row per script of the chain: the medians over its runs of what the table shows, then the spread of its
+    test accuracy and launch-to-result seconds (spread's), its n and the seeds its runs report."""
     rows = []
     for name, reports in results.items():
         by_size = [steady_by_size(report) for report in reports]
@@ -192,6 +227,10 @@ def chain_rows(results):
             "before_first_epoch_seconds": statistics.median(
                 report["launch_to_result_seconds"] - report["total_seconds"] for report in reports),
             "peak_memory_gib": peak_memory and peak_memory / 2**30})
+        for figure, field in (("test_accuracy", "final_test_accuracy"),
+                              ("launch_to_result_seconds", "launch_to_result_seconds")):
+            rows[-1].update({f"{figure}_{statistic}": value for statistic, value in spread(reports, field).items()})
+        rows[-1].update(n=len(reports), seeds=[report["settings"].get("seed") for report in reports])
     return rows
 
 
@@ -222,6 +261,21 @@ def chain_table(results, failures=None):
             f"| {per_size(row['ms_per_step'], '.1f')} ({row['batch_size']}) | {100 * row['test_accuracy']:.2f} "
             f"| {row['launch_to_result_seconds']:.1f} | {row['first_epoch_seconds']:.1f} "
             f"| {row['before_first_epoch_seconds']:.1f} | {harness.shown(row['peak_memory_gib'], '.2f')} |")
+    return "\n".join(lines)
+
+
+def spread_table(results):
+    """The chain's spread over its rounds as a markdown table: one row per script in `results` (those that ran), its
+    n and seeds, then mean, std, min and max of its test accuracy % and of its seconds from launch to result; a std
+    of one run is "-"."""
+    lines = ["| script | n | seeds | test acc % mean | std | min | max | launch to result s mean | std | min | max |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in chain_rows(results):
+        cells = [row["name"], str(row["n"]), ", ".join(str(seed) for seed in row["seeds"])]
+        for name, scale, spec in (("test_accuracy", 100, ".2f"), ("launch_to_result_seconds", 1, ".1f")):
+            cells += ["-" if row[f"{name}_{statistic}"] is None else format(scale * row[f"{name}_{statistic}"], spec)
+                      for statistic in ("mean", "std", "min", "max")]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -261,20 +315,30 @@ def measure_peaks(peaks, device):
             measured.append(matmul_peak_tflops(device, dtype))
 
 
+def seeds_said(seeds):
+    """The rounds' seeds in words: "seed 0", "seed 0 in every round", "seeds 0 to 4"."""
+    if len(set(seeds)) == 1:
+        return f"seed {seeds[0]}" + (" in every round" if len(seeds) > 1 else "")
+    return f"seeds {seeds[0]} to {seeds[-1]}"
+
+
 def main():
     args = parse_args()
-    runs = runs_to_compare(args)
+    runs, seeds = runs_to_compare(args), round_seeds(args)
     results, failures = {name: [] for name, _, _ in runs}, {}
     peaks = {torch.bfloat16: [], torch.float32: []}
     device = None  # the device the runs report, once one has
     with tempfile.TemporaryDirectory() as folder:
         for round_number in range(1, args.repeats + 1):
             for run_number, (name, script, flags) in enumerate(runs):
-                print(f"round {round_number}/{args.repeats} {name}: ", end="", flush=True)  # runs take minutes
+                seed = seeds[round_number - 1]
+                # flushed now: a run takes minutes
+                print(f"round {round_number}/{args.repeats} {name} (seed {seed}): ", end="", flush=True)
                 if name in failures:  # it would fail again: its first failure is in the table
                     print("skipped, failed before", flush=True)
                     continue
-                report, failure = run_once(script, flags, args, Path(folder) / f"{run_number}.{round_number}.json")
+                json_path = Path(folder) / f"{run_number}.{round_number}.json"
+                report, failure = run_once(script, flags, args, json_path, seed)
                 if failure:
                     failures[name] = failure
                     print(failure, flush=True)
@@ -302,10 +366,10 @@ def main():
             f"CIFAR-10 in {first['settings']['data_dir']} (fingerprint {first['data_fingerprint']})"
         print(f"{machine}, {first['threads']} threads, torch {first['torch']}, "
               f"commit {first['commit'] or 'unknown (not a git checkout)'}; {data}; "
-              f"medians of {args.repeats} round{'s' * (args.repeats > 1)}", end="")
+              f"medians of {args.repeats} round{'s' * (args.repeats > 1)}, {seeds_said(seeds)}", end="")
         summary.update(machine=machine, threads=first["threads"], torch=first["torch"], commit=first["commit"],
                        data_fingerprint=first["data_fingerprint"])
-    summary.update(settings=vars(args), failed=failures)
+    summary.update(settings=vars(args), seeds=seeds, failed=failures)
     if args.ladder:
         peak_tflops = max(peaks[torch.bfloat16], default=None)
         float32_peak_tflops = max(peaks[torch.float32], default=None)  # None where no run gave a device
@@ -323,6 +387,9 @@ def main():
         if ran:
             print(f"; each script at its defaults{' but ' + ' '.join(given) if given else ''}\n")
         print(chain_table(results, failures))
+        if ran and args.repeats > 1:  # one round has no spread: its figures are the table's
+            print(f"\nthe spread over the {args.repeats} rounds (std: sample, n - 1 in the denominator)\n")
+            print(spread_table(ran))
         summary["rows"] = chain_rows(ran)
     if args.json:
         with open(args.json, "a") as file:

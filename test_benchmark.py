@@ -1,0 +1,212 @@
+"""Tests for benchmark.py's seeds and spread: fake scripts stand in for the chain, so they take seconds, not minutes.
+`python -m pytest -q test_benchmark.py`."""
+import inspect
+import json
+import statistics
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+import benchmark
+
+ROOT = Path(__file__).resolve().parent
+
+# A stand-in for a chain script: it logs its arguments and writes a --json row whose figures follow from its seed,
+# with no torch import, so a round takes milliseconds.
+FAKE_SCRIPT = '''import json, sys
+argv = sys.argv[1:]
+seed = int(argv[argv.index("--seed") + 1])
+with open(__file__ + ".calls", "a") as calls:
+    calls.write(json.dumps(argv) + "\\n")
+report = {"script": __file__, "device": "cpu", "cpu": "Fake CPU", "threads": 2, "torch": "0.0", "commit": None,
+          "data": "synthetic", "data_fingerprint": None, "settings": {"batch_size": 64, "seed": seed, "data_dir": None},
+          "steady_images_per_second": 100.0 + seed, "steady_ms_per_step": 1.0, "peak_memory_bytes": None,
+          "final_test_accuracy": OFFSET + 0.01 * seed, "launch_to_result_seconds": 10.0 + seed ** 2,
+          "total_seconds": 8.0, "epochs": [{"train_seconds": 3.0}, {"train_seconds": 2.0}]}
+with open(argv[argv.index("--json") + 1], "a") as rows:
+    rows.write(json.dumps(report) + "\\n")
+'''
+
+
+def accuracy(name, seed):
+    """What FAKE_SCRIPT written by fake_chain as `name` reports as its final test accuracy for `seed`."""
+    return {"a.py": 0.5, "b.py": 0.8}[name] + 0.01 * seed
+
+
+def fake_chain(tmp_path, monkeypatch):
+    """Two fake scripts, a.py and b.py, where benchmark.py looks for the chain's, and one, broken.py, that fails."""
+    for name in ("a.py", "b.py"):
+        (tmp_path / name).write_text(FAKE_SCRIPT.replace("OFFSET", str(accuracy(name, 0))))
+    (tmp_path / "broken.py").write_text('import sys\nsys.exit("broken.py: a bad flag")\n')
+    monkeypatch.setattr(benchmark, "ROOT", tmp_path)
+
+
+def run_benchmark(monkeypatch, capsys, *flags):
+    """benchmark.main() in this process with `flags`; returns (exit code, stdout, stderr)."""
+    monkeypatch.setattr(sys, "argv", ["benchmark.py", "--device", "cpu", *map(str, flags)])
+    try:
+        benchmark.main()
+        code = 0
+    except SystemExit as exit:
+        code = exit.code
+    output = capsys.readouterr()
+    return code, output.out, output.err
+
+
+def seeds_called(tmp_path, name):
+    """The --seed each run of the fake script `name` was given, in order."""
+    calls = [json.loads(line) for line in (tmp_path / f"{name}.calls").read_text().splitlines()]
+    return [int(argv[argv.index("--seed") + 1]) for argv in calls]
+
+
+def markdown_tables(text):
+    """Each markdown table in `text` as a list of rows of stripped cells, without the header and its rule."""
+    tables, previous = [], ""
+    for line in text.splitlines():
+        if line.startswith("|") and not previous.startswith("|"):  # a table's first line: a new table
+            tables.append([])
+        if line.startswith("|"):
+            tables[-1].append([cell.strip() for cell in line.split("|")[1:-1]])
+        previous = line
+    return [table[2:] for table in tables]
+
+
+def test_repeats_give_round_r_the_seed_plus_r_minus_1_and_the_summary_their_spread(tmp_path, monkeypatch, capsys):
+    fake_chain(tmp_path, monkeypatch)
+    json_path = tmp_path / "chain.jsonl"
+    code, out, err = run_benchmark(monkeypatch, capsys, "--scripts", "a.py", "b.py", "--repeats", 3, "--seed", 5,
+                                   "--json", json_path)
+    assert code == 0, err
+    assert seeds_called(tmp_path, "a.py") == seeds_called(tmp_path, "b.py") == [5, 6, 7]
+    *runs, summary = [json.loads(line) for line in json_path.read_text().splitlines()]
+    # each run's own row keeps its form: the script's report plus which run and round it was
+    assert [(run["benchmark_run"], run["round"], run["settings"]["seed"]) for run in runs] == \
+        [(name, round_number, 4 + round_number) for round_number in (1, 2, 3) for name in ("a.py", "b.py")]
+    assert all(set(run) - set(runs[0]) == set() for run in runs) and "test_accuracy_mean" not in runs[0]
+    assert summary["seeds"] == [5, 6, 7] and summary["settings"]["seed"] == 5
+    for row in summary["rows"]:
+        accuracies = [accuracy(row["name"], seed) for seed in (5, 6, 7)]
+        seconds = [10.0 + seed ** 2 for seed in (5, 6, 7)]
+        assert (row["n"], row["seeds"]) == (3, [5, 6, 7])
+        assert row["test_accuracy_mean"] == pytest.approx(statistics.mean(accuracies))
+        assert row["test_accuracy_std"] == pytest.approx(statistics.stdev(accuracies))  # 0.01: the sample std
+        assert (row["test_accuracy_min"], row["test_accuracy_max"]) == pytest.approx((accuracies[0], accuracies[2]))
+        assert row["launch_to_result_seconds_std"] == pytest.approx(statistics.stdev(seconds))
+        assert (row["launch_to_result_seconds_mean"], row["launch_to_result_seconds_min"],
+                row["launch_to_result_seconds_max"]) == pytest.approx((statistics.mean(seconds), 35.0, 59.0))
+        assert row["test_accuracy"] == pytest.approx(statistics.median(accuracies)), "the median stays"
+    assert "medians of 3 rounds, seeds 5 to 7" in out
+    table, spread = markdown_tables(out)
+    assert [cells[0] for cells in table] == ["a.py", "b.py"] and len(table[0]) == 9, "the medians' table as before"
+    assert spread[0] == ["a.py", "3", "5, 6, 7", "56.00", "1.00", "55.00", "57.00", "46.7", "12.0", "35.0", "59.0"]
+    assert spread[1][:7] == ["b.py", "3", "5, 6, 7", "86.00", "1.00", "85.00", "87.00"]
+
+
+def test_same_seed_gives_every_round_the_one_seed(tmp_path, monkeypatch, capsys):
+    fake_chain(tmp_path, monkeypatch)
+    json_path = tmp_path / "chain.jsonl"
+    code, out, err = run_benchmark(monkeypatch, capsys, "--scripts", "a.py", "--repeats", 3, "--seed", 2,
+                                   "--same-seed", "--json", json_path)
+    assert code == 0, err
+    assert seeds_called(tmp_path, "a.py") == [2, 2, 2]
+    summary = json.loads(json_path.read_text().splitlines()[-1])
+    assert summary["seeds"] == [2, 2, 2] and summary["rows"][0]["test_accuracy_std"] == 0.0
+    assert "seed 2 in every round" in out and "(seed 2)" in out.splitlines()[2]
+
+
+def test_one_round_has_no_spread_table_and_a_null_std(tmp_path, monkeypatch, capsys):
+    fake_chain(tmp_path, monkeypatch)
+    json_path = tmp_path / "chain.jsonl"
+    code, out, err = run_benchmark(monkeypatch, capsys, "--scripts", "a.py", "b.py", "--json", json_path)
+    assert code == 0, err
+    assert seeds_called(tmp_path, "a.py") == [0], "--seed's default, passed on"
+    assert len(markdown_tables(out)) == 1, "one round: its spread would repeat the table"
+    summary = json.loads(json_path.read_text().splitlines()[-1])
+    assert summary["seeds"] == [0]
+    assert [(row["n"], row["test_accuracy_std"], row["launch_to_result_seconds_std"]) for row in summary["rows"]] == \
+        [(1, None, None)] * 2
+
+
+def test_a_failed_script_is_left_out_of_the_spread(tmp_path, monkeypatch, capsys):
+    fake_chain(tmp_path, monkeypatch)
+    monkeypatch.setattr(benchmark.tempfile, "tempdir", str(tmp_path))  # broken.py's log here, not in /tmp
+    code, out, _ = run_benchmark(monkeypatch, capsys, "--scripts", "a.py", "broken.py", "--repeats", 2)
+    assert code == 1
+    table, spread = markdown_tables(out)
+    assert table[1][0] == "broken.py" and table[1][1].startswith(f"failed (exit 1; its output in {tmp_path}")
+    assert [cells[0] for cells in spread] == ["a.py"] and seeds_called(tmp_path, "a.py") == [0, 1]
+
+
+def reports(accuracies, seconds):
+    """Made-up chain reports, one a run, with the final test accuracies and launch-to-result seconds given."""
+    return [{"steady_images_per_second": 100.0, "steady_ms_per_step": 1.0, "total_seconds": 5.0,
+             "launch_to_result_seconds": second, "peak_memory_bytes": None, "final_test_accuracy": accuracy,
+             "settings": {"batch_size": 128, "seed": seed}, "epochs": [{"train_seconds": 2.0}]}
+            for seed, (accuracy, second) in enumerate(zip(accuracies, seconds))]
+
+
+def test_chain_rows_spread_is_the_mean_sample_std_min_and_max_of_the_reports():
+    accuracies, seconds = [0.91, 0.93, 0.92, 0.96], [61.0, 58.5, 70.0, 60.5]
+    row, single = benchmark.chain_rows({"opt1.py": reports(accuracies, seconds), "opt2.py": reports([0.9], [40.0])})
+    for name, values in (("test_accuracy", accuracies), ("launch_to_result_seconds", seconds)):
+        assert row[f"{name}_mean"] == pytest.approx(statistics.mean(values))
+        assert row[f"{name}_std"] == pytest.approx(statistics.stdev(values))
+        assert row[f"{name}_std"] != pytest.approx(statistics.pstdev(values)), "n - 1, not n"
+        assert (row[f"{name}_min"], row[f"{name}_max"]) == (min(values), max(values))
+    assert (row["n"], row["seeds"]) == (4, [0, 1, 2, 3])
+    assert (single["n"], single["test_accuracy_std"], single["test_accuracy_mean"], single["test_accuracy_max"]) == \
+        (1, None, 0.9, 0.9)
+    spread = markdown_tables(benchmark.spread_table({"opt2.py": reports([0.9], [40.0])}))[0]
+    assert spread == [["opt2.py", "1", "0", "90.00", "-", "90.00", "90.00", "40.0", "-", "40.0", "40.0"]]
+
+
+def test_round_seeds_count_up_in_the_chain_and_stay_in_the_ladder():
+    def seeds(**given):
+        return benchmark.round_seeds(SimpleNamespace(**{"ladder": False, "same_seed": False, **given}))
+
+    assert seeds(seed=3, repeats=4) == [3, 4, 5, 6]
+    assert seeds(seed=3, repeats=4, same_seed=True) == seeds(seed=3, repeats=4, ladder=True) == [3, 3, 3, 3]
+    assert seeds(seed=0, repeats=1) == [0]
+
+
+def test_the_ladder_passes_its_one_seed_to_every_rung(monkeypatch):
+    called = []
+    monkeypatch.setattr(benchmark.subprocess, "run", lambda command, **_: called.append(command) or
+                        SimpleNamespace(returncode=1, stdout="", stderr=""))
+    args = SimpleNamespace(epochs=2, batch_size=128, train_size=64, test_size=64, data_dir=None, device="cpu",
+                           synthetic=False, ladder=True)
+    assert benchmark.run_once("opt1.py", ["--no-compile"], args, "row.json", 7) == (None, "failed (exit 1)")
+    assert called[0][called[0].index("--seed") + 1] == "7" and called[0][-1] == "--synthetic"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--seed", "-1"], "argument --seed: must be 0 or more, got -1"),
+    (["--ladder", "--same-seed"], "--same-seed is for the chain"),
+])
+def test_bad_seed_flags_exit_2_with_one_error_line(flags, message, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["benchmark.py", *flags])
+    with pytest.raises(SystemExit) as exit:
+        benchmark.parse_args()
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("error: ") and message in err
+
+
+def test_help_documents_every_flag_with_its_default(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["benchmark.py", "--help"])
+    with pytest.raises(SystemExit) as exit:
+        benchmark.parse_args()
+    out = capsys.readouterr().out
+    assert exit.value.code == 0 and "--seed" in out and "--same-seed" in out
+    help_texts = out.split("options:")[1].split("\n  -")[2:]  # skip -h
+    assert all("default" in text for text in help_texts), help_texts
+
+
+def test_benchmark_functions_take_at_most_six_parameters_and_lines_fit_120_characters():
+    functions = [value for value in vars(benchmark).values()
+                 if inspect.isfunction(value) and value.__module__ == benchmark.__name__]
+    parameters = {function.__name__: len(inspect.signature(function).parameters) for function in functions}
+    assert "run_once" in parameters and {name: count for name, count in parameters.items() if count > 6} == {}
+    for path in (ROOT / "benchmark.py", Path(__file__)):
+        assert [number for number, line in enumerate(path.read_text().splitlines(), 1) if len(line) > 120] == [], path
