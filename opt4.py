@@ -303,8 +303,7 @@ def main():
     # opt3: channels_last (NHWC) is the layout tensor cores and the CPU's oneDNN convolutions run fastest
     model = common.ResNet10().to(device, memory_format=torch.channels_last)
     if args.compile:
-        # opt1: fuses operations into fewer kernels: less memory traffic and Python overhead
-        model.compile()
+        model.compile()  # opt1: fuses operations into fewer kernels: less memory traffic and Python overhead
     # opt2: label smoothing keeps the logits from growing without bound: better accuracy in few epochs
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     optimizers = [adamw(model.parameters(), args.lr, device)]  # a list, as train_step takes them

@@ -458,8 +458,8 @@ def main():
           f"(--batch-size x world size x --accum-steps), peak rate {max_lr:g} (--lr {args.lr:g} x sqrt(world size))")
     torch.manual_seed(args.seed)
 
-    # opt3: the whole dataset on the device as uint8: 4x less to move than float32, and no loader or copy per step
     with harness.rank_zero_first(world_size):  # opt6: one download per machine, each after rank 0's
+        # opt3: the whole dataset on the device as uint8: 4x less to move than float32, and no loader or copy per step
         train_set, test_set = common.load_data(args, train_transform=None, test_transform=None)
     train_data, test_data = load_to_device(train_set, device), load_to_device(test_set, device)
     generator = torch.Generator(device).manual_seed(args.seed)

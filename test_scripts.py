@@ -255,6 +255,47 @@ def test_no_function_takes_more_than_six_parameters(module):
     assert {name: count for name, count in parameters.items() if count > 6} == {}
 
 
+TAG = re.compile(r"# (opt\d): (.+)$")
+
+
+def tagged_lines(script):
+    """[(tag, the code line it marks)] of `script`: an inline `# optN:` tag marks its own line, one on a line of its own
+    the next line of code (several above one line all mark it)."""
+    pairs, waiting = [], []
+    for line in (ROOT / script).read_text().splitlines():
+        code, _, comment = line.partition("# ") if line.strip().startswith("#") else line.partition("  # ")
+        if match := TAG.match("# " + comment):
+            waiting.append(match[0])
+        if code.strip():
+            pairs += [(tag, code.strip()) for tag in waiting]
+            waiting = []
+    return pairs
+
+
+@pytest.mark.parametrize("script", ALL_SCRIPTS)
+def test_a_script_tags_only_its_own_and_earlier_lessons(script):
+    number = list(ALL_SCRIPTS).index(script)  # baseline 0, opt1 1, ...
+    assert tagged_lines(script) or script == "baseline.py"
+    assert [tag for tag, _ in tagged_lines(script) if int(tag[5]) > number] == []
+
+
+@pytest.mark.parametrize("earlier, later", list(zip(list(ALL_SCRIPTS)[1:], list(ALL_SCRIPTS)[2:])))
+def test_a_later_script_keeps_an_earlier_tag_word_for_word_on_a_line_it_keeps(earlier, later):
+    # A line kept (as often: a line that appears once in each) keeps its tags, or carries the later script's own
+    # tag instead, where its reason changed there (opt5's padded evaluation batch)
+    later_pairs = tagged_lines(later)
+    later_lines, earlier_lines = (collections.Counter(line.partition("  # ")[0].strip() for line in
+                                                      (ROOT / script).read_text().splitlines())
+                                  for script in (later, earlier))
+    dropped = []
+    for tag, code in tagged_lines(earlier):
+        tags_there = {later_tag for later_tag, later_code in later_pairs if later_code == code}
+        own = {later_tag for later_tag in tags_there if later_tag[:6] == f"# {Path(later).stem}"}
+        if later_lines[code] >= earlier_lines[code] > 0 and tag not in tags_there and not own:
+            dropped.append((tag, code))
+    assert dropped == []
+
+
 def test_settings_line_shows_zero_and_off_values(capsys):
     args = SimpleNamespace(seed=0, label_smoothing=0.0, compile=False, json=None)
     harness.print_settings("opt2.py", CPU, args)
