@@ -6,8 +6,10 @@ the first time (run it with an empty inductor cache, as a first run meets it):
 
 Random images and a random ResNet10 at opt4's defaults (batch 128, bfloat16 where the CPU has a unit for it): the work
 does not depend on the values. The last line projects opt4's default run (--epochs 5: 1,950 steps, 5 evaluations of
-the 10,000 test images) both ways.
+the 10,000 test images) both ways. Its flags shrink it for a quick check (a test runs it at batch 8); at another
+--batch-size the projection is of opt4 --epochs 5 at that batch size.
 """
+import argparse
 import statistics
 import sys
 import time
@@ -19,10 +21,26 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
+import harness  # noqa: E402
 import opt4  # noqa: E402
 
-BLOCKS, STEPS_PER_BLOCK, EVALUATED = 6, 8, 2000
-device, batch_size = torch.device("cpu"), 128
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
+    add("--batch-size", type=harness.positive_int, default=128, help="images a step, opt4's default (default: 128)")
+    add("--steps-per-block", type=harness.positive_int, default=8,
+        help="training steps in each timed block, one epoch of as many batches (default: 8)")
+    add("--blocks", type=harness.positive_int, default=6,
+        help="timed blocks each way after the first, whose median is the steady figure (default: 6)")
+    add("--evaluated", type=harness.positive_int, default=2000,
+        help="random test images each timed evaluation scores (default: 2000)")
+    return parser.parse_args()
+
+
+args = parse_args()
+BLOCKS, STEPS_PER_BLOCK, EVALUATED = args.blocks, args.steps_per_block, args.evaluated
+device, batch_size = torch.device("cpu"), args.batch_size
 amp_dtype, _ = opt4.autocast_dtype(device)
 images = torch.randint(0, 256, (STEPS_PER_BLOCK * batch_size, 3, 32, 32), dtype=torch.uint8)
 labels = torch.randint(0, 10, (len(images),))
@@ -77,14 +95,16 @@ for mode in runs:
           f"{', '.join(f'{ms:.0f}' for ms in step_ms[mode])}); evaluation of {EVALUATED:,} images "
           f"{statistics.median(evaluation_s[mode]):.2f} s; first block {first[mode]:.1f} s, first evaluation "
           f"{first_evaluation[mode]:.1f} s")
-projected = {}
+# opt4's default run, --epochs 5 (1,950 steps at batch 128), or that run at the --batch-size given
+projected, run_steps = {}, 5 * (common.CIFAR10_TRAIN_SIZE // batch_size)
+projected_run = "opt4 --epochs 5" + ("" if batch_size == 128 else f" --batch-size {batch_size}")
 for mode in runs:
     steady_block = statistics.median(step_ms[mode]) * STEPS_PER_BLOCK / 1000
     steady_evaluation = statistics.median(evaluation_s[mode])
     compiling = first[mode] - steady_block + first_evaluation[mode] - steady_evaluation
-    projected[mode] = (1950 * statistics.median(step_ms[mode]) / 1000 + 5 * steady_evaluation * 10000 / EVALUATED
-                       + compiling)
-    print(f"{mode}: compiling and warm-up {compiling:.1f} s; opt4 --epochs 5 projected: {projected[mode]:.0f} s of "
+    projected[mode] = (run_steps * statistics.median(step_ms[mode]) / 1000
+                       + 5 * steady_evaluation * common.CIFAR10_TEST_SIZE / EVALUATED + compiling)
+    print(f"{mode}: compiling and warm-up {compiling:.1f} s; {projected_run} projected: {projected[mode]:.0f} s of "
           f"steps, evaluations and compiling")
 step_ratio = statistics.median(step_ms['compiled']) / statistics.median(step_ms['eager'])
 print(f"compiled / eager, ms a step: {step_ratio:.3f}; projected run: {projected['compiled'] / projected['eager']:.3f}")

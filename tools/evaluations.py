@@ -9,7 +9,10 @@ recipe, a 1,000-image test subset after epochs 1-19 at their sizes (16 px x7, 24
 One small compile runs first in both, as opt5's step compiles before any evaluation (inductor's start-up). Run each
 mode in its own process with an empty inductor cache, as a first run meets it:
     TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python tools/evaluations.py compiled
+
+Its flags shrink the sets and the batch for a quick check (a test runs eager at 16 and 40 images, batch 32).
 """
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -19,11 +22,21 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
+import harness  # noqa: E402
 import opt5  # noqa: E402
 
-mode = sys.argv[1] if sys.argv[1:] in (["compiled"], ["eager"]) else sys.exit("usage: evaluations.py compiled|eager")
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("mode", choices=("compiled", "eager"), help="the model compiled, or opt5's evaluate as it is")
+parser.add_argument("--monitor-size", type=harness.positive_int, default=1000,
+                    help="test images each evaluation of epochs 1-19 scores, opt5's default (default: 1000)")
+parser.add_argument("--test-size", type=harness.positive_int, default=10000,
+                    help="test images the last evaluation scores, CIFAR-10's test set (default: 10000)")
+parser.add_argument("--batch-size", type=harness.positive_int, default=512,
+                    help="opt5's --batch-size; its evaluate takes half that and each mirror (default: 512)")
+args = parser.parse_args()
+mode = args.mode
 torch.manual_seed(0)
-device, batch_size = torch.device("cpu"), 512
+device, batch_size = torch.device("cpu"), args.batch_size
 amp_dtype, _ = opt5.autocast_dtype(device)
 model = common.ResNet10().to(device, memory_format=torch.channels_last)
 if mode == "compiled":
@@ -42,7 +55,7 @@ def padded(count):
     return images, torch.randint(0, 10, (total,))
 
 
-monitor, test = padded(1000), padded(10000)
+monitor, test = padded(args.monitor_size), padded(args.test_size)
 print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {amp_dtype}, {mode}")
 total = 0.0
 for epoch, size in enumerate(opt5.image_sizes(20, 16, 32, full_share=0.3), 1):
