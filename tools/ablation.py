@@ -20,6 +20,7 @@ differently, to cut its seconds before the steady steps; the bundles (BUNDLE_ROW
 screen.py runs them all in one call on a GPU (a recipe run there takes ~15 s) and decides by its rules.
 """
 import argparse
+import contextlib
 import functools
 import json
 import shlex
@@ -476,18 +477,35 @@ def check_opt5_flags_and_json(opt5_flags, json_path):
         common.fail(f"cannot append to --json {json_path} ({error.strerror}); give a path in a folder that exists")
 
 
+@contextlib.contextmanager
+def keep_last_evaluation(timer=None):
+    """Within the `with` block, opt5.evaluate keeps its last call's run and test data in the list the block gets: after
+    opt5.main(), those of the evaluation of the whole test set after the last epoch. With `timer` (a function of the
+    run that starts a clock and returns the function that stops it), every call is timed and the list keeps, third,
+    what the last call's stop returned (warm_clock.py's final evaluation). After the block, opt5's evaluate again."""
+    evaluate, last_evaluation = opt5.evaluate, []
+
+    def evaluate_and_keep(run, test_data, size):
+        last_evaluation[:] = [run, test_data]  # the last call evaluates the whole test set after training
+        if timer is None:
+            return evaluate(run, test_data, size)
+        stop = timer(run)
+        figures = evaluate(run, test_data, size)
+        last_evaluation.append(stop())
+        return figures
+    opt5.evaluate = evaluate_and_keep
+    try:
+        yield last_evaluation
+    finally:
+        opt5.evaluate = evaluate
+
+
 def run_row(name, opt5_flags, json_path):
     """Apply the row's technique in this process, run opt5's main(), score the final weights, append one line."""
     _, row_flags, techniques, change = ROWS[ROW_NAMES.index(name)]
     for technique in techniques:
         technique(setattr)
-    evaluate, last_evaluation = opt5.evaluate, []
-
-    def evaluate_and_keep(run, test_data, size):
-        last_evaluation[:] = [run, test_data]  # the last call evaluates the whole test set after training
-        return evaluate(run, test_data, size)
-    opt5.evaluate = evaluate_and_keep
-    with tempfile.TemporaryDirectory() as folder:
+    with keep_last_evaluation() as last_evaluation, tempfile.TemporaryDirectory() as folder:
         report_path = Path(folder) / "opt5.jsonl"
         sys.argv = [sys.argv[0], *opt5_flags, *row_flags, "--json", str(report_path)]  # the row's flags win
         opt5.main()

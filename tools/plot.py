@@ -294,9 +294,11 @@ def modelled_today(row):
 
 
 def read_lines(path):
-    """Every JSON line of `path`, read through read_row; exit 2 with one line if it is missing or not JSON lines."""
+    """Every JSON line of `path`, read through read_row, but warm_clock.py's ("clock": "warm": seconds on another
+    clock than launch to result); exit 2 with one line if it is missing or not JSON lines."""
     try:
-        return [read_row(json.loads(line)) for line in Path(path).read_text().splitlines() if line.strip()]
+        rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+        return [read_row(row) for row in rows if row.get("clock") != "warm"]
     except (OSError, json.JSONDecodeError) as error:
         common.fail(f"cannot read {path} ({type(error).__name__}: {error}); make it with the scripts' --json")
 
