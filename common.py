@@ -17,6 +17,14 @@ from PIL import Image
 # Per-channel statistics of the 50,000 CIFAR-10 training images.
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+
+
+def cifar10_statistics(device):
+    """CIFAR-10's channel mean and std in uint8 units, as one 2 x 1 x 3 x 1 x 1 tensor on `device`: what the scripts'
+    normalize takes (their channel_statistics computes the same from any images)."""
+    return torch.tensor([CIFAR10_MEAN, CIFAR10_STD], device=device).view(2, 1, 3, 1, 1) * 255
+
+
 # Random crops shift an image by at most this many pixels: 2, milder than the usual 4, suits a 5-epoch budget
 CROP_PADDING = 2
 CIFAR10_TRAIN_SIZE = 50_000

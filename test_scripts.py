@@ -90,7 +90,7 @@ def call(function, **available):
     available["run"] = SimpleNamespace(args=args, **{"rank": 0, "world_size": 1, "crop_padding": common.CROP_PADDING,
                                                      **available})
     if hasattr(module, "channel_statistics") and "statistics" not in available:
-        available["run"].statistics = cifar10_statistics(available.get("device", CPU))
+        available["run"].statistics = common.cifar10_statistics(available.get("device", CPU))
     if hasattr(module, "train_step") and "train_data" in available:
         assemble_the_step(module, available["run"], epochs=available.get("epoch", 1))
     names = inspect.signature(function).parameters
@@ -100,11 +100,6 @@ def call(function, **available):
 def takes_optimizers(module):
     """Whether `module`'s run holds a list of optimizers, run.optimizers (opt4 on; opt5 on: Muon's and AdamW's)."""
     return "optimizers" in inspect.signature(getattr(module, "optimizer_step", lambda optimizer: None)).parameters
-
-
-def cifar10_statistics(device):
-    """CIFAR-10's channel mean and std in uint8 units, as opt3 onwards normalize with them."""
-    return torch.tensor([common.CIFAR10_MEAN, common.CIFAR10_STD], device=device).view(2, 1, 3, 1, 1) * 255
 
 
 def optimizers_of(run):
@@ -147,7 +142,7 @@ def script_evaluate(module, model, dataset):
     loader = DataLoader(dataset, batch_size=64)
     test_data = opt4.load_to_device(dataset, CPU)
     return call(module.evaluate, model=model, loader=loader, test_data=test_data, batch_size=64,
-                amp_dtype=CPU_AMP_DTYPE, device=CPU, size=32, statistics=cifar10_statistics(CPU))
+                amp_dtype=CPU_AMP_DTYPE, device=CPU, size=32, statistics=common.cifar10_statistics(CPU))
 
 
 def read_json(path):
@@ -1052,7 +1047,8 @@ def drawn_plan(size=100, batch_size=16, epochs=2, accum_steps=1, seed=0):
     args = SimpleNamespace(batch_size=batch_size, accum_steps=accum_steps)
     steps = size // batch_size // accum_steps
     train_data = torch.zeros(size, 3, 32, 32, dtype=torch.uint8), torch.zeros(size, dtype=torch.long)
-    plan = opt4.empty_plan(train_data, cifar10_statistics(CPU), common.CROP_PADDING, steps, batch_size, accum_steps)
+    statistics = common.cifar10_statistics(CPU)
+    plan = opt4.empty_plan(train_data, statistics, common.CROP_PADDING, steps, batch_size, accum_steps)
     run = SimpleNamespace(args=args, device=CPU, generator=torch.Generator().manual_seed(seed),
                           crop_padding=common.CROP_PADDING, plan=plan,
                           schedule=opt4.onecycle_schedule(0.01, steps * epochs, CPU))
@@ -1062,7 +1058,7 @@ def drawn_plan(size=100, batch_size=16, epochs=2, accum_steps=1, seed=0):
 def bare_plan(module, steps, batch_size):
     """`module`'s plan of `steps` steps of `batch_size` over a training set of zeros, for a test of the update alone."""
     train_data = torch.zeros(steps * batch_size, 3, 32, 32, dtype=torch.uint8), torch.zeros(steps * batch_size)
-    return module.empty_plan(train_data, cifar10_statistics(CPU), common.CROP_PADDING, steps, batch_size)
+    return module.empty_plan(train_data, common.cifar10_statistics(CPU), common.CROP_PADDING, steps, batch_size)
 
 
 def plan_tensors(plan):
@@ -1125,7 +1121,7 @@ def test_opt3_and_opt4_score_each_test_image_once_and_opt5_with_its_mirror(scrip
     model = common.ResNet10().eval()
     images, labels = torch.randint(0, 256, (20, 3, 32, 32), dtype=torch.uint8), torch.randint(0, 10, (20,))
     with torch.no_grad():
-        plain, mirrored = (model(opt4.normalize(shown, cifar10_statistics(CPU))) for shown in (images,
+        plain, mirrored = (model(opt4.normalize(shown, common.cifar10_statistics(CPU))) for shown in (images,
                                                                                                    images.flip(3)))
     with_mirrors = (plain + mirrored) / 2
     expected, other = (with_mirrors, plain) if script == "opt5.py" else (plain, with_mirrors)
@@ -1399,7 +1395,7 @@ def step_of(script, model, dataset, device, compiled=False):
                           scaler=torch.amp.GradScaler(device.type, enabled=False), amp_dtype=torch.float32,
                           generator=torch.Generator(device).manual_seed(0),
                           augment_generator=torch.Generator(device).manual_seed(0),
-                          train_data=opt4.load_to_device(dataset, device), statistics=cifar10_statistics(device))
+                          train_data=opt4.load_to_device(dataset, device), statistics=common.cifar10_statistics(device))
     assemble_the_step(module, run, epochs=2)
     return run, run.train_steps[32] if hasattr(run, "train_steps") else run.train_step  # opt5 on: a step per size
 
@@ -2275,7 +2271,7 @@ def test_ablation_whitening_stem_is_frozen_and_made_from_the_training_images(mon
                                     None, None)
     train_images, _ = opt5.load_to_device(train_set, CPU)
     model = common.ResNet10()
-    expected = ablation.whitening_weights(opt5.normalize(train_images[:64], cifar10_statistics(CPU)))
+    expected = ablation.whitening_weights(opt5.normalize(train_images[:64], common.cifar10_statistics(CPU)))
     assert torch.equal(model.stem[0].weight[:54], expected) and not model.stem[0].weight.requires_grad
 
 
@@ -2286,7 +2282,7 @@ def test_ablation_trained_whitening_stem_starts_from_the_whitening_filters_and_t
     train_images, _ = opt5.load_to_device(train_set, CPU)
     model = common.ResNet10()
     stem = model.stem[0].weight
-    expected = ablation.whitening_weights(opt5.normalize(train_images[:64], cifar10_statistics(CPU)))
+    expected = ablation.whitening_weights(opt5.normalize(train_images[:64], common.cifar10_statistics(CPU)))
     assert torch.equal(stem[:54], expected) and stem.requires_grad and stem.is_leaf
     model(torch.randn(2, 3, 16, 16)).square().sum().backward()
     assert stem.grad is not None and stem.grad[:54].abs().sum() > 0, "a gradient reaches the whitening filters"
@@ -2411,7 +2407,7 @@ def test_ablation_whitening_at_each_size_computes_the_stem_again_at_each_new_siz
     train_set, _ = common.load_data(SimpleNamespace(synthetic=True, data_dir=None, train_size=128, test_size=64),
                                     None, None)
     images, labels = opt5.load_to_device(train_set, CPU)
-    run = SimpleNamespace(plan=SimpleNamespace(images=images, labels=labels), statistics=cifar10_statistics(CPU),
+    run = SimpleNamespace(plan=SimpleNamespace(images=images, labels=labels), statistics=common.cifar10_statistics(CPU),
                           model=common.ResNet10())
     normalized = opt5.normalize(images[:64], run.statistics)
     computed = []

@@ -76,8 +76,7 @@ def whitening_stem(patch, images_used=5000, frozen=True):
         network = build()
         stem = network.stem[0]
         images = loaded[0][0][:images_used]
-        statistics = torch.tensor([common.CIFAR10_MEAN, common.CIFAR10_STD]).view(2, 1, 3, 1, 1) * 255  # opt5's
-        weights = whitening_weights(opt5.normalize(images, statistics.to(images.device)).cpu())
+        weights = whitening_weights(opt5.normalize(images, common.cifar10_statistics(images.device)).cpu())
         with torch.no_grad():
             stem.weight[:len(weights)] = weights.to(stem.weight.device)
         stem.weight.requires_grad_(not frozen)  # an optimizer skips a weight that gets no gradient

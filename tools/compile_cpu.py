@@ -54,7 +54,7 @@ def build(compiled):
     if compiled:
         model.compile()
     args = SimpleNamespace(batch_size=batch_size, accum_steps=1)
-    statistics = torch.tensor([common.CIFAR10_MEAN, common.CIFAR10_STD]).view(2, 1, 3, 1, 1) * 255  # opt4's
+    statistics = common.cifar10_statistics(device)  # opt4's
     optimizers = [opt4.adamw(model.parameters(), 8e-3, device)]
     run = SimpleNamespace(args=args, device=device, amp_dtype=amp_dtype, model=model, optimizers=optimizers,
                           generator=torch.Generator().manual_seed(0), statistics=statistics,

@@ -41,7 +41,7 @@ amp_dtype, _ = opt5.autocast_dtype(device)
 model = common.ResNet10().to(device, memory_format=torch.channels_last)
 if mode == "compiled":
     model.compile(dynamic=False)
-statistics = torch.tensor([common.CIFAR10_MEAN, common.CIFAR10_STD]).view(2, 1, 3, 1, 1) * 255  # opt5's, uint8 units
+statistics = common.cifar10_statistics(device)  # opt5's
 run = SimpleNamespace(args=SimpleNamespace(batch_size=batch_size), model=model, device=device, amp_dtype=amp_dtype,
                       statistics=statistics)
 torch.compile(lambda x: (x.relu() + 1).sum())(torch.randn(64))
