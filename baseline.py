@@ -13,13 +13,12 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 import common
-import harness
 
 
 def parse_args():
-    parser = harness.build_parser(__doc__, batch_size=64, lr=0.01)
+    parser = common.build_parser(__doc__, batch_size=64, lr=0.01)
     args = parser.parse_args()
-    return harness.check_args(args, images_per_step=args.batch_size)
+    return common.check_args(args, images_per_step=args.batch_size)
 
 
 def train_one_epoch(run, loader, epoch, monitor):
@@ -56,8 +55,8 @@ def evaluate(run, loader):
 
 def main():
     args = parse_args()
-    device = harness.pick_device(args)
-    harness.print_settings(__file__, device, args)
+    device = common.pick_device(args)
+    common.print_settings(__file__, device, args)
     torch.manual_seed(args.seed)
 
     train_set, test_set = common.load_data(args, common.plain_transform(), common.plain_transform())
@@ -80,13 +79,13 @@ def main():
     records = []
     start = common.now(device)
     for epoch in range(1, args.epochs + 1):
-        with harness.step_monitor(epoch, args.profile if epoch == args.epochs else None, device) as monitor:
+        with common.step_monitor(epoch, args.profile if epoch == args.epochs else None, device) as monitor:
             epoch_start = common.now(device)
             train_figures = train_one_epoch(run, train_loader, epoch, monitor)
             train_seconds = common.now(device) - epoch_start
         test_figures = evaluate(run, test_loader)
-        harness.record_epoch(records, train_figures, test_figures, train_seconds)
-    harness.report(__file__, run, records, common.now(device) - start)
+        common.record_epoch(records, train_figures, test_figures, train_seconds)
+    common.report(__file__, run, records, common.now(device) - start)
     if args.save:
         torch.save(model.state_dict(), args.save)
 

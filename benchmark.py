@@ -7,8 +7,9 @@ The chain (the default): baseline.py, opt1.py, ... opt5.py one after the other, 
 learning rate, epochs: 5, and opt5's recipe 20) on real data, each in its own process: what `python optN.py` gives
 you. The table has its steady images/s (epochs 2 on; per image size for opt5), the speedup over baseline.py's, its
 test accuracy, the seconds from launch to result, the first epoch's seconds (compiling included) and the seconds
-before the first step. With --json every script's own --json line is appended (the rows results/ holds), then one
-line with the table. A script that fails (exits non-zero or writes no row) is marked failed in the table, with where
+before the first step. With --json every script's own --json line is appended (the rows results/ holds) with what
+tools/accounting.py adds (the commit, the data's fingerprint, FLOPs and the modelled H200 time), then one line with
+the table. A script that fails (exits non-zero or writes no row) is marked failed in the table, with where
 its output is; the rest still run, and benchmark.py exits 1 after the table.
 
 Seeds and the spread: with --repeats N the chain's round r runs every script with --seed S + r - 1 (S: --seed, 0
@@ -38,9 +39,11 @@ from pathlib import Path
 import torch
 
 import common
-import harness
 
 ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT / "tools"))
+import accounting  # noqa: E402  (the FLOPs, the modelled H200 time, the commit and the data's fingerprint of a row)
+
 SCRIPTS = ["baseline.py", "opt1.py", "opt2.py", "opt3.py", "opt4.py", "opt5.py"]  # the chain (opt6 runs under torchrun)
 # The ladder: each rung switches on one group of optimizations with a flag the scripts already have.
 # (rung, script, flags, the rung it is compared with, what it adds, what of that acts only on a GPU)
@@ -67,25 +70,25 @@ LADDER_DEFAULTS = {"epochs": 2, "batch_size": 128, "train_size": 2048, "test_siz
 
 
 def parse_args():
-    parser = harness.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = common.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
     add("--ladder", action="store_true",
         help="run the ladder instead of the chain: one rung per optimization group, same settings (default: off)")
     add("--scripts", nargs="+", default=SCRIPTS, help=f"the chain's scripts, in order (default: {' '.join(SCRIPTS)})")
-    add("--repeats", type=harness.positive_int, default=None, help="rounds over all runs (default: chain 1, ladder 3)")
+    add("--repeats", type=common.positive_int, default=None, help="rounds over all runs (default: chain 1, ladder 3)")
     add("--epochs", type=int, default=None,
         help="epochs per run; steady state needs 2 or more (default: chain each script's own, 5, opt5 20; ladder 2)")
-    add("--batch-size", type=harness.positive_int, default=None,
+    add("--batch-size", type=common.positive_int, default=None,
         help="the same for every run (default: chain each script's own; ladder 128)")
-    add("--train-size", type=harness.positive_int, default=None,
+    add("--train-size", type=common.positive_int, default=None,
         help="training images per epoch (default: chain all 50,000; ladder 2,048)")
-    add("--test-size", type=harness.positive_int, default=None,
+    add("--test-size", type=common.positive_int, default=None,
         help="test images (default: chain all 10,000; ladder 1,024)")
     add("--data-dir", default=None,
         help="where CIFAR-10 is, or downloads to (default: chain ./data; ladder generated data)")
     add("--synthetic", action="store_true", help="the chain on generated data: speed only (default: off)")
     add("--device", choices=["auto", "cuda", "cpu"], default="auto", help="passed to every script (default: auto)")
-    add("--seed", type=harness.non_negative_int, default=0,
+    add("--seed", type=common.non_negative_int, default=0,
         help="passed to every script as --seed: the chain's round r gets N + r - 1, the ladder's every round N "
              "(default: 0)")
     add("--same-seed", action="store_true",
@@ -260,7 +263,7 @@ def chain_table(results, failures=None):
             f"| {row['name']} | {per_size(row['images_per_second'], ',.0f')} | {speedup} "
             f"| {per_size(row['ms_per_step'], '.1f')} ({row['batch_size']}) | {100 * row['test_accuracy']:.2f} "
             f"| {row['launch_to_result_seconds']:.1f} | {row['first_epoch_seconds']:.1f} "
-            f"| {row['before_first_epoch_seconds']:.1f} | {harness.shown(row['peak_memory_gib'], '.2f')} |")
+            f"| {row['before_first_epoch_seconds']:.1f} | {accounting.shown(row['peak_memory_gib'], '.2f')} |")
     return "\n".join(lines)
 
 
@@ -302,8 +305,8 @@ def ladder_table(results, peak_tflops, failures=None):
             f"{described}| {row['images_per_second']:.0f} | {compared_with or ''} "
             f"| {speedup_over(row, rows.get(compared_with)) if compared_with else ''} "
             f"| {speedup_over(row, rows.get('baseline'))} | {row['ms_per_step']:.1f} "
-            f"| {row['warmup_seconds']:.1f} | {harness.shown(row['peak_memory_gib'], '.2f')} "
-            f"| {harness.shown(row['percent_of_bf16_peak'], '.0f')} |")
+            f"| {row['warmup_seconds']:.1f} | {accounting.shown(row['peak_memory_gib'], '.2f')} "
+            f"| {accounting.shown(row['percent_of_bf16_peak'], '.0f')} |")
     return "\n".join(lines)
 
 
@@ -324,6 +327,7 @@ def seeds_said(seeds):
 
 def main():
     args = parse_args()
+    commit = accounting.git_commit()  # read before any run: the rows name the code they started with
     runs, seeds = runs_to_compare(args), round_seeds(args)
     results, failures = {name: [] for name, _, _ in runs}, {}
     peaks = {torch.bfloat16: [], torch.float32: []}
@@ -343,6 +347,7 @@ def main():
                     failures[name] = failure
                     print(failure, flush=True)
                     continue
+                report = accounting.add_provenance(accounting.add_work(report), commit)
                 results[name].append(report)
                 device = torch.device(report["device"])
                 speeds = {size: speed for size, (speed, _) in steady_by_size(report).items()}
@@ -355,7 +360,7 @@ def main():
             if args.ladder and device is not None:
                 measure_peaks(peaks, device)
     ran = {name: reports for name, reports in results.items() if name not in failures}
-    summary = {"benchmark": "ladder" if args.ladder else "chain", "chain": harness.CHAIN_NUMBERING,
+    summary = {"benchmark": "ladder" if args.ladder else "chain", "chain": common.CHAIN_NUMBERING,
                "date": datetime.datetime.now().isoformat(timespec="seconds"),
                "command": shlex.join(["python", "benchmark.py", *sys.argv[1:]])}
     print()
@@ -376,7 +381,7 @@ def main():
         no_bf16 = " (bf16 not measured: no bfloat16 unit, so the scripts run float32)" if peak_tflops is None else ""
         if ran:
             print(f", {args.train_size} training images x {args.epochs} epochs, batch {args.batch_size}; peak = the "
-                  f"best 4096x4096 matmul of all rounds: bf16 {harness.shown(peak_tflops, '.2f')} TFLOP/s, float32 "
+                  f"best 4096x4096 matmul of all rounds: bf16 {accounting.shown(peak_tflops, '.2f')} TFLOP/s, float32 "
                   f"{float32_peak_tflops:.2f} TFLOP/s{no_bf16}\n")
         print(ladder_table(results, peak_tflops, failures))
         summary.update(bf16_peak_tflops=peak_tflops, float32_peak_tflops=float32_peak_tflops,

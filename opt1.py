@@ -14,16 +14,15 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 import common
-import harness
 
 
 def parse_args():
     # opt1: AdamW's usual rate: its steps are normalized per weight, so it needs a smaller rate than SGD's 0.01
-    parser = harness.build_parser(__doc__, batch_size=64, lr=1e-3)
+    parser = common.build_parser(__doc__, batch_size=64, lr=1e-3)
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="torch.compile the model; --no-compile runs eager (default: on)")
     args = parser.parse_args()
-    return harness.check_args(args, images_per_step=args.batch_size)
+    return common.check_args(args, images_per_step=args.batch_size)
 
 
 def autocast_dtype(device):
@@ -81,8 +80,8 @@ def evaluate(run, loader):
 
 def main():
     args = parse_args()
-    device = harness.pick_device(args)
-    harness.print_settings(__file__, device, args)
+    device = common.pick_device(args)
+    common.print_settings(__file__, device, args)
     # opt1: 16-bit math only where the hardware runs it: on a CPU without a bfloat16 unit it is emulated, and slow
     amp_dtype, why = autocast_dtype(device)
     print(f"precision: {why}")
@@ -116,13 +115,13 @@ def main():
     records = []
     start = common.now(device)
     for epoch in range(1, args.epochs + 1):
-        with harness.step_monitor(epoch, args.profile if epoch == args.epochs else None, device) as monitor:
+        with common.step_monitor(epoch, args.profile if epoch == args.epochs else None, device) as monitor:
             epoch_start = common.now(device)
             train_figures = train_one_epoch(run, train_loader, epoch, monitor)
             train_seconds = common.now(device) - epoch_start
         test_figures = evaluate(run, test_loader)
-        harness.record_epoch(records, train_figures, test_figures, train_seconds)
-    harness.report(__file__, run, records, common.now(device) - start)
+        common.record_epoch(records, train_figures, test_figures, train_seconds)
+    common.report(__file__, run, records, common.now(device) - start)
     if args.save:
         torch.save(model.state_dict(), args.save)
 

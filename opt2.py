@@ -17,24 +17,23 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 import common
-import harness
 
 
 def parse_args():
     # opt2: a bigger batch keeps the GPU busy with fewer, larger kernels and fewer optimizer steps
     # opt2: 8e-3, the OneCycleLR peak that 5-epoch probes at batch 128 picked (results/README.md)
-    parser = harness.build_parser(__doc__, batch_size=128, lr=8e-3)
+    parser = common.build_parser(__doc__, batch_size=128, lr=8e-3)
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="torch.compile the model; --no-compile runs eager (default: on)")
-    parser.add_argument("--accum-steps", type=harness.positive_int, default=1,
+    parser.add_argument("--accum-steps", type=common.positive_int, default=1,
                         help="micro-batches per optimizer step; effective batch = batch size x this (default: 1)")
-    parser.add_argument("--workers", type=harness.non_negative_int, default=None,
+    parser.add_argument("--workers", type=common.non_negative_int, default=None,
                         help="data loading processes (default: with a GPU, one per core this process may use but "
                              "one, to keep it fed; 0 on the CPU, where they would take cores from training)")
-    parser.add_argument("--label-smoothing", type=harness.fraction, default=0.1,
+    parser.add_argument("--label-smoothing", type=common.fraction, default=0.1,
                         help="weight of the uniform target mixed into each label (default: 0.1)")
     args = parser.parse_args()
-    return harness.check_args(args, images_per_step=args.batch_size * args.accum_steps)
+    return common.check_args(args, images_per_step=args.batch_size * args.accum_steps)
 
 
 def autocast_dtype(device):
@@ -69,7 +68,7 @@ def train_one_epoch(run, loader, epoch, monitor):
     steps = len(loader) // accum_steps
     for micro_step, (images, labels) in enumerate(itertools.islice(loader, steps * accum_steps)):
         step = micro_step // accum_steps + 1
-        # opt2: a copy from pinned memory is queued on the GPU's stream and the host goes on without waiting
+        # opt2: from pinned memory the copy is queued on the GPU's stream, the host goes on; each .item() below waits
         images, labels = images.to(run.device, non_blocking=True), labels.to(run.device, non_blocking=True)
         # opt1: autocast runs convolutions in 16-bit where it is native: half the memory traffic, tensor cores
         with torch.autocast(run.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32):
@@ -109,10 +108,10 @@ def evaluate(run, loader):
 
 def main():
     args = parse_args()
-    device = harness.pick_device(args)
+    device = common.pick_device(args)
     if args.workers is None:  # opt2: the loader's worker count suits the device
         args.workers = default_workers(device)
-    harness.print_settings(__file__, device, args)
+    common.print_settings(__file__, device, args)
     # opt1: 16-bit math only where the hardware runs it: on a CPU without a bfloat16 unit it is emulated, and slow
     amp_dtype, why = autocast_dtype(device)
     print(f"precision: {why}")
@@ -159,13 +158,13 @@ def main():
     records = []
     start = common.now(device)
     for epoch in range(1, args.epochs + 1):
-        with harness.step_monitor(epoch, args.profile if epoch == args.epochs else None, device) as monitor:
+        with common.step_monitor(epoch, args.profile if epoch == args.epochs else None, device) as monitor:
             epoch_start = common.now(device)
             train_figures = train_one_epoch(run, train_loader, epoch, monitor)
             train_seconds = common.now(device) - epoch_start
         test_figures = evaluate(run, test_loader)
-        harness.record_epoch(records, train_figures, test_figures, train_seconds)
-    harness.report(__file__, run, records, common.now(device) - start)
+        common.record_epoch(records, train_figures, test_figures, train_seconds)
+    common.report(__file__, run, records, common.now(device) - start)
     if args.save:
         torch.save(model.state_dict(), args.save)
 

@@ -14,23 +14,22 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import common
-import harness
 
 
 def parse_args():
     # opt2: a bigger batch keeps the GPU busy with fewer, larger kernels and fewer optimizer steps
     # opt2: 8e-3, the OneCycleLR peak that 5-epoch probes at batch 128 picked (results/README.md)
-    parser = harness.build_parser(__doc__, batch_size=128, lr=8e-3)
+    parser = common.build_parser(__doc__, batch_size=128, lr=8e-3)
     # opt3: off by default: with the data on the device a short run trains in less time than compiling takes
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                         help="torch.compile the model; it pays only where the steps outlast its compiling "
                              "(default: off)")
-    parser.add_argument("--accum-steps", type=harness.positive_int, default=1,
+    parser.add_argument("--accum-steps", type=common.positive_int, default=1,
                         help="micro-batches per optimizer step; effective batch = batch size x this (default: 1)")
-    parser.add_argument("--label-smoothing", type=harness.fraction, default=0.1,
+    parser.add_argument("--label-smoothing", type=common.fraction, default=0.1,
                         help="weight of the uniform target mixed into each label (default: 0.1)")
     args = parser.parse_args()
-    return harness.check_args(args, images_per_step=args.batch_size * args.accum_steps)
+    return common.check_args(args, images_per_step=args.batch_size * args.accum_steps)
 
 
 def autocast_dtype(device):
@@ -52,14 +51,8 @@ def load_to_device(dataset, device):
     return images.to(device), torch.as_tensor(dataset.targets).to(device)
 
 
-def channel_statistics(images):
-    """The per-channel mean and std of uint8 `images` (N x 3 x H x W) in uint8 units, as normalize takes them."""
-    std, mean = torch.std_mean(images.transpose(0, 1).flatten(1).float(), dim=1, correction=0)
-    return torch.stack([mean, std]).view(2, 1, 3, 1, 1)
-
-
 def normalize(images, statistics):
-    """uint8 images -> float32 with zero mean and unit variance per channel (`statistics`: channel_statistics')."""
+    """uint8 images -> float32 with zero mean and unit variance per channel (`statistics`: their mean and std)."""
     mean, std = statistics
     return (images.float() - mean) / std
 
@@ -136,12 +129,12 @@ def evaluate(run, test_data):
     """Mean loss and accuracy of the model on `test_data`."""
     run.model.eval()
     all_images, all_labels = test_data
-    batch_size = run.args.batch_size  # opt3: slices of the test set on the device, no loader
+    batch_size = run.args.batch_size
     # opt3: the totals stay on the device: one read at the end, not one wait per batch
     total_loss = torch.zeros((), device=run.device)
     correct = torch.zeros((), dtype=torch.long, device=run.device)
     with torch.inference_mode():  # opt2: like no_grad, and also skips autograd's version tracking
-        for start in range(0, len(all_labels), batch_size):
+        for start in range(0, len(all_labels), batch_size):  # opt3: slices of the test set on the device, no loader
             images = normalize(all_images[start:start + batch_size], run.statistics)
             labels = all_labels[start:start + batch_size]
             # opt1: the last batch padded to full size (extra outputs dropped): one shape, so one compiled graph
@@ -157,8 +150,8 @@ def evaluate(run, test_data):
 
 def main():
     args = parse_args()
-    device = harness.pick_device(args)
-    harness.print_settings(__file__, device, args)
+    device = common.pick_device(args)
+    common.print_settings(__file__, device, args)
     # opt1: 16-bit math only where the hardware runs it: on a CPU without a bfloat16 unit it is emulated, and slow
     amp_dtype, why = autocast_dtype(device)
     print(f"precision: {why}")
@@ -208,13 +201,13 @@ def main():
     records = []
     start = common.now(device)
     for epoch in range(1, args.epochs + 1):
-        with harness.step_monitor(epoch, args.profile if epoch == args.epochs else None, device) as monitor:
+        with common.step_monitor(epoch, args.profile if epoch == args.epochs else None, device) as monitor:
             epoch_start = common.now(device)
             train_figures = train_one_epoch(run, train_data, epoch, monitor)
             train_seconds = common.now(device) - epoch_start
         test_figures = evaluate(run, test_data)
-        harness.record_epoch(records, train_figures, test_figures, train_seconds)
-    harness.report(__file__, run, records, common.now(device) - start)
+        common.record_epoch(records, train_figures, test_figures, train_seconds)
+    common.report(__file__, run, records, common.now(device) - start)
     if args.save:
         torch.save(model.state_dict(), args.save)
 

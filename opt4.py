@@ -8,6 +8,7 @@ launch for each of its hundreds of kernels.
 Each optimization is marked `# opt4:` where it happens; read `diff -u opt3.py opt4.py`.
 """
 import argparse
+import warnings
 from types import SimpleNamespace
 
 import torch
@@ -15,23 +16,22 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import common
-import harness
 
 
 def parse_args():
     # opt2: a bigger batch keeps the GPU busy with fewer, larger kernels and fewer optimizer steps
     # opt2: 8e-3, the OneCycleLR peak that 5-epoch probes at batch 128 picked (results/README.md)
-    parser = harness.build_parser(__doc__, batch_size=128, lr=8e-3)
+    parser = common.build_parser(__doc__, batch_size=128, lr=8e-3)
     # opt3: off by default: with the data on the device a short run trains in less time than compiling takes
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                         help="torch.compile the model; it pays only where the steps outlast its compiling "
                              "(default: off)")
-    parser.add_argument("--accum-steps", type=harness.positive_int, default=1,
+    parser.add_argument("--accum-steps", type=common.positive_int, default=1,
                         help="micro-batches per optimizer step; effective batch = batch size x this (default: 1)")
-    parser.add_argument("--label-smoothing", type=harness.fraction, default=0.1,
+    parser.add_argument("--label-smoothing", type=common.fraction, default=0.1,
                         help="weight of the uniform target mixed into each label (default: 0.1)")
     args = parser.parse_args()
-    return harness.check_args(args, images_per_step=args.batch_size * args.accum_steps)
+    return common.check_args(args, images_per_step=args.batch_size * args.accum_steps)
 
 
 def autocast_dtype(device):
@@ -53,14 +53,8 @@ def load_to_device(dataset, device):
     return images.to(device), torch.as_tensor(dataset.targets).to(device)
 
 
-def channel_statistics(images):
-    """The per-channel mean and std of uint8 `images` (N x 3 x H x W) in uint8 units, as normalize takes them."""
-    std, mean = torch.std_mean(images.transpose(0, 1).flatten(1).float(), dim=1, correction=0)
-    return torch.stack([mean, std]).view(2, 1, 3, 1, 1)
-
-
 def normalize(images, statistics):
-    """uint8 images -> float32 with zero mean and unit variance per channel (`statistics`: channel_statistics')."""
+    """uint8 images -> float32 with zero mean and unit variance per channel (`statistics`: their mean and std)."""
     mean, std = statistics
     return (images.float() - mean) / std
 
@@ -123,11 +117,11 @@ def plan_epoch(plan, draw, rates):
     plan.filled = True
 
 
-def onecycle_schedule(max_lr, total_steps, device):
+def onecycle_schedule(max_lr, total_steps, device, pct_start=0.25):
     """OneCycleLR's rate for every step as a table on `device` (none baked into a captured step), from torch's own."""
     stand_in = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=max_lr)
     # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a fixed rate
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(stand_in, max_lr=max_lr, total_steps=total_steps, pct_start=0.25,
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(stand_in, max_lr, total_steps=total_steps, pct_start=pct_start,
                                                     cycle_momentum=False)  # opt2: beta1 fixed: only the rate cycles
     rates = []
     for _ in range(total_steps):
@@ -137,12 +131,12 @@ def onecycle_schedule(max_lr, total_steps, device):
     return torch.tensor(rates, device=device)
 
 
-def adamw(parameters, lr, device):
-    """torch's fused AdamW (weight decay 0.05) with its learning rate in a tensor on `device`."""
+def adamw(parameters, lr, device, weight_decay=0.05):
+    """torch's fused AdamW with its learning rate in a tensor on `device`."""
     # opt1: AdamW scales each weight's step by its recent gradients, so one rate suits every layer untuned
     # opt3: fused: one op reads and writes each weight once (a few multi-tensor launches on a GPU), not a dozen passes
     # opt4: the rate a tensor the schedule writes in place (a graph keeps a float); capturable=True: torch captures it
-    return torch.optim.AdamW(parameters, lr=torch.tensor(lr, device=device), weight_decay=0.05, fused=True,
+    return torch.optim.AdamW(parameters, lr=torch.tensor(lr, device=device), weight_decay=weight_decay, fused=True,
                              capturable=True)
 
 
@@ -177,10 +171,11 @@ def optimizer_step(optimizers, plan, scaler):
     plan.cursor.add_(1).remainder_(len(plan.rates))
 
 
-def train_step(model, criterion, optimizers, plan, amp_dtype=torch.float32, scaler=None):
-    """One optimizer step over `plan`, whole, as a function: it reads only the device and nothing back, the same work on
-    the same addresses each call, so a GPU can replay it as one CUDA graph. It asks for plan_epoch before each epoch,
-    and each rate a tensor updated in tensor ops (AdamW with capturable=True; torch's SGD reads it on the host)."""
+def make_train_step(model, criterion, optimizers, plan, amp_dtype=torch.float32, scaler=None):
+    """Makes the training step: a function whose every call is one optimizer step over `plan`, whole. It reads only
+    the device and nothing back, the same work on the same addresses each call, so a GPU can replay it as one CUDA
+    graph. It asks for plan_epoch before each epoch, and each rate a tensor updated in tensor ops (AdamW with
+    capturable=True; torch's SGD reads it on the host)."""
     for optimizer in optimizers:
         if not all(isinstance(group["lr"], torch.Tensor) for group in optimizer.param_groups):
             raise TypeError(f"{type(optimizer).__name__}'s learning rate is a float, which a CUDA graph would keep: "
@@ -190,7 +185,7 @@ def train_step(model, criterion, optimizers, plan, amp_dtype=torch.float32, scal
     def step():
         if not plan.filled:
             raise RuntimeError("the plan has no epoch in it: call plan_epoch(plan, draw, rates) before the first step")
-        # opt4: gradients dropped first: backward makes them in the graph's memory, and a retried capture starts clean
+        # opt4: gradients dropped first: backward makes them in the graph's memory, or anew after a failed capture
         model.zero_grad()
         for micro_batch in range(plan.accum_steps):
             loss = micro_batch_loss(model, criterion, plan, micro_batch, amp_dtype)
@@ -218,7 +213,9 @@ def cuda_graph(step, device, warmup_steps=3):
         if calls <= warmup_steps:
             side_stream = torch.cuda.Stream()
             side_stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side_stream):
+            with torch.cuda.stream(side_stream), warnings.catch_warnings():
+                # opt4: torch warns once that a capturable=True optimizer (adamw's) steps uncaptured: here, by design
+                warnings.filterwarnings("ignore", message=".*capturable=True.*")
                 step()
             return torch.cuda.current_stream().wait_stream(side_stream)
         if calls == warmup_steps + 1:
@@ -264,12 +261,12 @@ def evaluate(run, test_data):
     """Mean loss and accuracy of the model on `test_data`."""
     run.model.eval()
     all_images, all_labels = test_data
-    batch_size = run.args.batch_size  # opt3: slices of the test set on the device, no loader
+    batch_size = run.args.batch_size
     # opt3: the totals stay on the device: one read at the end, not one wait per batch
     total_loss = torch.zeros((), device=run.device)
     correct = torch.zeros((), dtype=torch.long, device=run.device)
     with torch.inference_mode():  # opt2: like no_grad, and also skips autograd's version tracking
-        for start in range(0, len(all_labels), batch_size):
+        for start in range(0, len(all_labels), batch_size):  # opt3: slices of the test set on the device, no loader
             images = normalize(all_images[start:start + batch_size], run.statistics)
             labels = all_labels[start:start + batch_size]
             # opt1: the last batch padded to full size (extra outputs dropped): one shape, so one compiled graph
@@ -285,8 +282,8 @@ def evaluate(run, test_data):
 
 def main():
     args = parse_args()
-    device = harness.pick_device(args)
-    harness.print_settings(__file__, device, args)
+    device = common.pick_device(args)
+    common.print_settings(__file__, device, args)
     # opt1: 16-bit math only where the hardware runs it: on a CPU without a bfloat16 unit it is emulated, and slow
     amp_dtype, why = autocast_dtype(device)
     print(f"precision: {why}")
@@ -306,7 +303,7 @@ def main():
         model.compile()  # opt1: fuses operations into fewer kernels: less memory traffic and Python overhead
     # opt2: label smoothing keeps the logits from growing without bound: better accuracy in few epochs
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
-    optimizers = [adamw(model.parameters(), args.lr, device)]  # a list, as train_step takes them
+    optimizers = [adamw(model.parameters(), args.lr, device)]  # a list, as make_train_step takes them
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bfloat16 needs no scaling
     steps_per_epoch = len(train_set) // args.batch_size // args.accum_steps
     total_steps = args.epochs * steps_per_epoch
@@ -331,18 +328,18 @@ def main():
                         args.accum_steps),
     )
     # opt4: on CUDA the whole step is captured once and replayed: one launch a step, however many kernels
-    run.train_step = cuda_graph(train_step(model, criterion, optimizers, run.plan, amp_dtype, scaler), device)
+    run.train_step = cuda_graph(make_train_step(model, criterion, optimizers, run.plan, amp_dtype, scaler), device)
 
     records = []
     start = common.now(device)
     for epoch in range(1, args.epochs + 1):
-        with harness.step_monitor(epoch, args.profile if epoch == args.epochs else None, device) as monitor:
+        with common.step_monitor(epoch, args.profile if epoch == args.epochs else None, device) as monitor:
             epoch_start = common.now(device)
             train_figures = train_one_epoch(run, train_data, epoch, monitor)
             train_seconds = common.now(device) - epoch_start
         test_figures = evaluate(run, test_data)
-        harness.record_epoch(records, train_figures, test_figures, train_seconds)
-    harness.report(__file__, run, records, common.now(device) - start)
+        common.record_epoch(records, train_figures, test_figures, train_seconds)
+    common.report(__file__, run, records, common.now(device) - start)
     if args.save:
         torch.save(model.state_dict(), args.save)
 

@@ -12,8 +12,10 @@ Each optimization is marked `# opt6:` where it happens; read `diff -u opt5.py op
 import argparse
 import contextlib
 import functools
+import inspect
 import os
 import sys
+import warnings
 from types import SimpleNamespace
 
 import torch
@@ -23,47 +25,70 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import common
-import harness
 
 
 # opt5: the recipe, each setting once, flags' defaults (results/README.md: the recipe's runs, how it was picked)
 RECIPE = dict(
     epochs=20,            # 20 epochs of 512 images a step: as many steps as 5 of 128 (opt4), each a 4x batch
-    batch_size=512,       # fewer, larger kernels a step than opt4's 128
+    batch_size=512,       # a quarter of opt4's steps, each launching the same kernels on 4x the images
     lr=0.016,             # opt4's 0.008 x sqrt(512 / 128): the square-root rule for a 4x batch
+    pct_start=0.25,       # OneCycleLR's warm-up: the first quarter of the steps, as opt2-opt4's
     min_size=16,          # the first epochs' image side; it grows in steps of 8 to 32
     full_size_share=0.3,  # the last 30 % of the epochs at 32 x 32
     monitor_size=1000,    # test images scored after each epoch but the last, which scores them all
     optimizer="muon",     # Muon for the filters, AdamW for the rest
     ns_steps=3,           # Newton-Schulz iterations a Muon update, as airbench94_muon.py; torch.optim.Muon's: 5
+    muon_momentum=0.9,    # Muon's Nesterov momentum, as airbench94_muon.py's
+    weight_decay=0.05,    # AdamW's, as opt1-opt4's; Muon's the same, decoupled
+    label_smoothing=0.1,  # as opt2-opt4's
+    # and as opt2-opt4's, common.CROP_PADDING: training crops shift an image 2 px at most; evaluate: 2 views an image
 )
 
 
 def parse_args():
-    parser = harness.build_parser(__doc__, **{name: RECIPE[name] for name in ("batch_size", "lr", "epochs")})
+    parser = common.build_parser(__doc__, **{name: RECIPE[name] for name in ("batch_size", "lr", "epochs")})
     # opt3: off by default: with the data on the device a short run trains in less time than compiling takes
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                         help="torch.compile the model; it pays only where the steps outlast its compiling "
                              "(default: off)")
-    parser.add_argument("--accum-steps", type=harness.positive_int, default=1,
+    parser.add_argument("--accum-steps", type=common.positive_int, default=1,
                         help="micro-batches per optimizer step; effective batch = batch size x this (default: 1)")
-    parser.add_argument("--label-smoothing", type=harness.fraction, default=0.1,
-                        help="weight of the uniform target mixed into each label (default: 0.1)")
+    parser.add_argument("--label-smoothing", type=common.fraction, default=RECIPE["label_smoothing"],
+                        help=f"weight of a uniform target mixed into each label (default: {RECIPE['label_smoothing']})")
     parser.add_argument("--min-size", type=int, default=RECIPE["min_size"], choices=[8, 16, 24, 32],
                         help=f"first epoch's image side, growing to 32 by the last (default: {RECIPE['min_size']})")
-    parser.add_argument("--full-size-share", type=harness.fraction, default=RECIPE["full_size_share"],
+    parser.add_argument("--full-size-share", type=common.fraction, default=RECIPE["full_size_share"],
                         help="share of the epochs at the full size, the last ones (at least one); the smaller sizes "
                              f"share the rest equally (default: {RECIPE['full_size_share']})")
-    parser.add_argument("--monitor-size", type=harness.positive_int, default=RECIPE["monitor_size"],
+    parser.add_argument("--monitor-size", type=common.positive_int, default=RECIPE["monitor_size"],
                         help=f"test images evaluated after each epoch but the last (default: {RECIPE['monitor_size']})")
     parser.add_argument("--optimizer", choices=["muon", "adamw"], default=RECIPE["optimizer"],
                         help="muon: Muon for the convolution filters and AdamW for the rest; adamw: AdamW for all, "
                              f"as opt4 (default: {RECIPE['optimizer']})")
-    parser.add_argument("--ns-steps", type=harness.positive_int, default=RECIPE["ns_steps"],
+    parser.add_argument("--ns-steps", type=common.positive_int, default=RECIPE["ns_steps"],
                         help=f"Newton-Schulz iterations in each Muon update (default: {RECIPE['ns_steps']})")
     args = parser.parse_args()
-    world_size = int(os.environ["WORLD_SIZE"]) if harness.started_by_torchrun() else 1  # opt6: processes in the job
-    return harness.check_args(args, images_per_step=args.batch_size * args.accum_steps * world_size)
+    world_size = int(os.environ["WORLD_SIZE"]) if started_by_torchrun() else 1  # opt6: processes in the job
+    return common.check_args(args, images_per_step=args.batch_size * args.accum_steps * world_size)
+
+
+def started_by_torchrun():
+    """Whether torchrun started this process; exit 2 when only some of the variables it sets are there."""
+    ranks = [name for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE") if name in os.environ]
+    missing = [name for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+               if name not in os.environ]
+    if ranks and missing:
+        common.fail(f"{', '.join(ranks)} set but not {', '.join(missing)}: start {os.path.basename(sys.argv[0])} with "
+                    f"torchrun, which sets them all (srun does not), or unset {', '.join(ranks)} to run one process")
+    return bool(ranks)
+
+
+def point_to_torchrun(device, world_size):
+    """Say how to start torchrun where one process (world_size 1) on `device` leaves GPUs of this machine idle."""
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    if world_size == 1 and gpus > 1:
+        print(f"{gpus} GPUs here, and one process uses one: to use them all, start "
+              f"torchrun --standalone --nproc_per_node={gpus} {os.path.basename(sys.argv[0])} ...")
 
 
 def setup_distributed(device):
@@ -91,6 +116,33 @@ def average_batchnorm_buffers(model, world_size):
             buffer /= world_size
 
 
+@contextlib.contextmanager
+def rank_zero_first(world_size):
+    """Runs the body on rank 0, then on the first process of every other machine, then on the rest: one download
+    per machine, and never two at once into a folder that machines share (NFS, Lustre), which would corrupt it."""
+    if world_size == 1:
+        yield
+        return
+    turn = 0 if dist.get_rank() == 0 else 1 if int(os.environ["LOCAL_RANK"]) == 0 else 2
+    for this_turn in range(3):
+        if this_turn == turn:
+            yield
+        dist.barrier()  # the next turn starts once this one's processes have the data
+
+
+def broadcast_buffers_keyword():
+    """The name of DDP's keyword that turns its broadcast of rank 0's buffers before every forward on or off."""
+    parameters = inspect.signature(DistributedDataParallel).parameters
+    return "forward_sync_buffers" if "forward_sync_buffers" in parameters else "broadcast_buffers"  # torch 2.13 on
+
+
+def leave_process_group():
+    """Wait for every rank, then destroy the process group while still holding the barrier's handle (Gloo needs it)."""
+    barrier = dist.barrier(async_op=True)
+    barrier.wait()
+    dist.destroy_process_group()
+
+
 def autocast_dtype(device):
     """The 16-bit type `device` runs natively, or float32 where it has none; and why, in words, for the log."""
     if device.type == "cuda":
@@ -110,14 +162,8 @@ def load_to_device(dataset, device):
     return images.to(device), torch.as_tensor(dataset.targets).to(device)
 
 
-def channel_statistics(images):
-    """The per-channel mean and std of uint8 `images` (N x 3 x H x W) in uint8 units, as normalize takes them."""
-    std, mean = torch.std_mean(images.transpose(0, 1).flatten(1).float(), dim=1, correction=0)
-    return torch.stack([mean, std]).view(2, 1, 3, 1, 1)
-
-
 def normalize(images, statistics):
-    """uint8 images -> float32 with zero mean and unit variance per channel (`statistics`: channel_statistics')."""
+    """uint8 images -> float32 with zero mean and unit variance per channel (`statistics`: their mean and std)."""
     mean, std = statistics
     return (images.float() - mean) / std
 
@@ -202,11 +248,11 @@ def plan_epoch(plan, draw, rates):
     plan.filled = True
 
 
-def onecycle_schedule(max_lr, total_steps, device):
+def onecycle_schedule(max_lr, total_steps, device, pct_start=RECIPE["pct_start"]):
     """OneCycleLR's rate for every step as a table on `device` (none baked into a captured step), from torch's own."""
     stand_in = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=max_lr)
     # opt2: one cycle of warm-up then annealing reaches a given accuracy in far fewer epochs than a fixed rate
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(stand_in, max_lr=max_lr, total_steps=total_steps, pct_start=0.25,
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(stand_in, max_lr, total_steps=total_steps, pct_start=pct_start,
                                                     cycle_momentum=False)  # opt2: beta1 fixed: only the rate cycles
     rates = []
     for _ in range(total_steps):
@@ -216,12 +262,12 @@ def onecycle_schedule(max_lr, total_steps, device):
     return torch.tensor(rates, device=device)
 
 
-def adamw(parameters, lr, device):
-    """torch's fused AdamW (weight decay 0.05) with its learning rate in a tensor on `device`."""
+def adamw(parameters, lr, device, weight_decay=RECIPE["weight_decay"]):
+    """torch's fused AdamW with its learning rate in a tensor on `device`."""
     # opt1: AdamW scales each weight's step by its recent gradients, so one rate suits every layer untuned
     # opt3: fused: one op reads and writes each weight once (a few multi-tensor launches on a GPU), not a dozen passes
     # opt4: the rate a tensor the schedule writes in place (a graph keeps a float); capturable=True: torch captures it
-    return torch.optim.AdamW(parameters, lr=torch.tensor(lr, device=device), weight_decay=0.05, fused=True,
+    return torch.optim.AdamW(parameters, lr=torch.tensor(lr, device=device), weight_decay=weight_decay, fused=True,
                              capturable=True)
 
 
@@ -300,10 +346,11 @@ def optimizer_step(optimizers, plan, scaler):
     plan.cursor.add_(1).remainder_(len(plan.rates))
 
 
-def train_step(model, criterion, optimizers, plan, amp_dtype=torch.float32, scaler=None):
-    """One optimizer step over `plan`, whole, as a function: it reads only the device and nothing back, the same work on
-    the same addresses each call, so a GPU can replay it as one CUDA graph. It asks for plan_epoch before each epoch,
-    and each rate a tensor updated in tensor ops (AdamW with capturable=True; torch's SGD reads it on the host)."""
+def make_train_step(model, criterion, optimizers, plan, amp_dtype=torch.float32, scaler=None):
+    """Makes the training step: a function whose every call is one optimizer step over `plan`, whole. It reads only
+    the device and nothing back, the same work on the same addresses each call, so a GPU can replay it as one CUDA
+    graph. It asks for plan_epoch before each epoch, and each rate a tensor updated in tensor ops (AdamW with
+    capturable=True; torch's SGD reads it on the host)."""
     for optimizer in optimizers:
         if not all(isinstance(group["lr"], torch.Tensor) for group in optimizer.param_groups):
             raise TypeError(f"{type(optimizer).__name__}'s learning rate is a float, which a CUDA graph would keep: "
@@ -314,7 +361,7 @@ def train_step(model, criterion, optimizers, plan, amp_dtype=torch.float32, scal
     def step(size):  # opt5: the side of the images it trains on
         if not plan.filled:
             raise RuntimeError("the plan has no epoch in it: call plan_epoch(plan, draw, rates) before the first step")
-        # opt4: gradients dropped first: backward makes them in the graph's memory, and a retried capture starts clean
+        # opt4: gradients dropped first: backward makes them in the graph's memory, or anew after a failed capture
         model.zero_grad(set_to_none=not distributed)  # opt6: under DDP zeroed, not dropped: views of its buckets
         for micro_batch in range(plan.accum_steps):
             # opt6: DDP all-reduces in the backward of a step's last micro-batch only: no_sync() skips it in the others
@@ -345,7 +392,9 @@ def cuda_graph(step, device, warmup_steps=3):
         if calls <= warmup_steps:
             side_stream = torch.cuda.Stream()
             side_stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side_stream):
+            with torch.cuda.stream(side_stream), warnings.catch_warnings():
+                # opt4: torch warns once that a capturable=True optimizer (adamw's) steps uncaptured: here, by design
+                warnings.filterwarnings("ignore", message=".*capturable=True.*")
                 step()
             return torch.cuda.current_stream().wait_stream(side_stream)
         if calls == warmup_steps + 1:
@@ -421,12 +470,12 @@ def evaluate(run, test_data, size):
     total_loss = torch.zeros((), device=run.device)
     correct = torch.zeros((), dtype=torch.long, device=run.device)
     with torch.inference_mode():  # opt2: like no_grad, and also skips autograd's version tracking
-        for start in range(0, len(all_labels), batch_size):
+        for start in range(0, len(all_labels), batch_size):  # opt3: slices of the test set on the device, no loader
             images = normalize(all_images[start:start + batch_size], run.statistics)
             labels = all_labels[start:start + batch_size]
             # opt5: the last batch padded to full size (extra outputs dropped): the view below takes two whole halves
             images = torch.cat([images, images.new_zeros(batch_size - len(images), *images.shape[1:])])
-            images = torch.cat([images, images.flip(3)])
+            images = torch.cat([images, images.flip(3)])  # opt5: each image's mirror beside it, in the same call
             # opt5: at the size just trained on: its BatchNorm statistics are of images that size
             images = downscale(images, size).contiguous(memory_format=torch.channels_last)
             # opt1: 16-bit here too
@@ -444,11 +493,11 @@ def evaluate(run, test_data, size):
 
 def main():
     args = parse_args()
-    rank, world_size, device = setup_distributed(harness.pick_device(args))
-    harness.point_to_torchrun(device, world_size)  # where one process leaves GPUs of this machine idle
+    rank, world_size, device = setup_distributed(common.pick_device(args))
+    point_to_torchrun(device, world_size)  # opt6: where one process leaves GPUs of this machine idle, say torchrun
     if rank != 0:
         sys.stdout = open(os.devnull, "w")  # opt6: one log: only rank 0 prints
-    harness.print_settings(__file__, device, args)
+    common.print_settings(__file__, device, args)
     # opt1: 16-bit math only where the hardware runs it: on a CPU without a bfloat16 unit it is emulated, and slow
     amp_dtype, why = autocast_dtype(device)
     print(f"precision: {why}")
@@ -458,7 +507,7 @@ def main():
           f"(--batch-size x world size x --accum-steps), peak rate {max_lr:g} (--lr {args.lr:g} x sqrt(world size))")
     torch.manual_seed(args.seed)
 
-    with harness.rank_zero_first(world_size):  # opt6: one download per machine, each after rank 0's
+    with rank_zero_first(world_size):  # opt6: one download per machine, each after rank 0's
         # opt3: the whole dataset on the device as uint8: 4x less to move than float32, and no loader or copy per step
         train_set, test_set = common.load_data(args, train_transform=None, test_transform=None)
     train_data, test_data = load_to_device(train_set, device), load_to_device(test_set, device)
@@ -476,7 +525,7 @@ def main():
             model, device_ids=[device] if device.type == "cuda" else None,
             gradient_as_bucket_view=True,  # opt6: the gradients are views of the buckets: none copied into them
             # opt6: no broadcast of rank 0's BatchNorm statistics before every forward: averaged once per evaluation
-            **{harness.broadcast_buffers_keyword(): False})
+            **{broadcast_buffers_keyword(): False})
     if args.compile:
         # opt1: fuses operations into fewer kernels: less memory traffic and Python overhead
         # opt5: dynamic=False: a graph for each image size (symbolic sizes recompile at each one too, less specialized)
@@ -489,7 +538,7 @@ def main():
         filters = [parameter for parameter in model.parameters() if parameter.ndim == 4]
         others = adamw([parameter for parameter in model.parameters() if parameter.ndim != 4], max_lr, device)
         muon = Muon(filters, torch.tensor(max_lr, device=device), others.defaults["weight_decay"],
-                    steps=args.ns_steps, dtype=amp_dtype)
+                    momentum=RECIPE["muon_momentum"], steps=args.ns_steps, dtype=amp_dtype)
         optimizers = [muon, others]
     else:
         optimizers = [adamw(model.parameters(), max_lr, device)]
@@ -520,14 +569,15 @@ def main():
         plan=empty_plan(train_data, statistics, common.CROP_PADDING, steps_per_epoch, args.batch_size,
                         args.accum_steps),
     )
-    step = train_step(train_model, criterion, optimizers, run.plan, amp_dtype, scaler)
+    step = make_train_step(train_model, criterion, optimizers, run.plan, amp_dtype, scaler)
     run.train_steps = {size: functools.partial(step, size) for size in sizes}
     why_not = capture_problem(device, amp_dtype, optimizers, world_size)
     if why_not is None:
         # opt4: on CUDA the whole step is captured once and replayed: one launch a step, however many kernels
         # opt5: a graph for each image size: a graph replays the shapes it was captured with
         run.train_steps = {size: cuda_graph(step, device) for size, step in run.train_steps.items()}
-    print("step: captured as a CUDA graph and replayed" if why_not is None else f"step: run as a function, {why_not}")
+    else:
+        print(f"step: run as a function, {why_not}")
 
     # opt5: between epochs a fixed random test subset (random: all classes) shows the curve cheaply; the last tests all
     subset = torch.randperm(len(test_set), generator=torch.Generator().manual_seed(args.seed))[:args.monitor_size]
@@ -536,21 +586,21 @@ def main():
     start = common.now(device)
     for epoch, size in enumerate(sizes, 1):
         profile_dir = args.profile if epoch == args.epochs and rank == 0 else None  # opt6: rank 0's trace alone
-        with harness.step_monitor(epoch, profile_dir, device) as monitor:
+        with common.step_monitor(epoch, profile_dir, device) as monitor:
             epoch_start = common.now(device)
             train_figures = train_one_epoch(run, train_data, epoch, monitor, size)
             train_seconds = common.now(device) - epoch_start
         average_batchnorm_buffers(model, world_size)  # opt6: every rank evaluates the model rank 0 saves
         evaluated = test_data if epoch == args.epochs else subset_data
         test_figures = evaluate(run, evaluated, size)
-        harness.record_epoch(records, train_figures, test_figures, train_seconds, image_size=size,
+        common.record_epoch(records, train_figures, test_figures, train_seconds, image_size=size,
                              test_images=len(evaluated[1]))
     if rank == 0:  # opt6: rank 0 alone writes the report and the weights
-        harness.report(__file__, run, records, common.now(device) - start)
+        common.report(__file__, run, records, common.now(device) - start)
         if args.save:
             torch.save(model.state_dict(), args.save)
     if world_size > 1:
-        harness.leave_process_group()  # opt6: the ranks end together, and then their process group
+        leave_process_group()  # opt6: the ranks end together, and then their process group
 
 
 if __name__ == "__main__":

@@ -20,11 +20,12 @@ argv = sys.argv[1:]
 seed = int(argv[argv.index("--seed") + 1])
 with open(__file__ + ".calls", "a") as calls:
     calls.write(json.dumps(argv) + "\\n")
-report = {"script": __file__, "device": "cpu", "cpu": "Fake CPU", "threads": 2, "torch": "0.0", "commit": None,
-          "data": "synthetic", "data_fingerprint": None, "settings": {"batch_size": 64, "seed": seed, "data_dir": None},
+report = {"script": __file__, "device": "cpu", "cpu": "Fake CPU", "threads": 2, "torch": "0.0", "data": "synthetic",
+          "settings": {"batch_size": 64, "seed": seed, "data_dir": None, "synthetic": True},
           "steady_images_per_second": 100.0 + seed, "steady_ms_per_step": 1.0, "peak_memory_bytes": None,
           "final_test_accuracy": OFFSET + 0.01 * seed, "launch_to_result_seconds": 10.0 + seed ** 2,
-          "total_seconds": 8.0, "epochs": [{"train_seconds": 3.0}, {"train_seconds": 2.0}]}
+          "total_seconds": 8.0, "epochs": [{"train_seconds": 3.0, "steps": 4, "images": 256},
+                                           {"train_seconds": 2.0, "steps": 4, "images": 256}]}
 with open(argv[argv.index("--json") + 1], "a") as rows:
     rows.write(json.dumps(report) + "\\n")
 '''

@@ -12,7 +12,9 @@ import ast
 import os
 import re
 import socket
+import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -30,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 """
 CPU = torch.device("cpu")
 cuda_test = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -52,11 +55,14 @@ def row_names(optimization):
     for segment in copy_table()[optimization][0].split("; "):
         if segment.startswith("settings"):
             continue
-        source = "common.py" if segment.startswith("common.py") else re.search(r"\b(opt\d)\b", segment)[1] + ".py"
+        source = next((name for name in ("common.py", "machine.py") if segment.startswith(name)), None) or \
+            re.search(r"\b(opt\d)\b", segment)[1] + ".py"
         names = re.findall(r"`(\w+)`", segment)
-        if "the row above's" in segment:  # the row above's names, from this row's file
-            names += [name for _, above in row_names(rows[rows.index(optimization) - 1])[0] for name in above]
+        above = row_names(rows[rows.index(optimization) - 1])[0] if "the row above's" in segment else []
+        # the row above's names: its script's from this row's file (a later copy of them), common.py's as they are
+        names += [name for file, above_names in above if file.startswith("opt") for name in above_names]
         (replacements if segment.startswith("with the row above") else alone).append((source, names))
+        alone += [(file, above_names) for file, above_names in above if not file.startswith("opt")]
     return alone, replacements
 
 
@@ -86,8 +92,16 @@ def standard_library_imports(source):
 
 
 def copied(*pieces):
-    """A fresh module of exactly the named definitions, [(file, names), ...] in the order given, a later copy of a
-    name replacing an earlier one; calls of common.py's copied names lose their `common.`, as the autocast row says."""
+    """A fresh module of exactly the named definitions, [(file, names), ...] in the order given (copied_source's)."""
+    module = types.ModuleType("client_pieces")
+    exec(compile(copied_source(*pieces), "<copied pieces>", "exec"), module.__dict__)
+    return module
+
+
+def copied_source(*pieces):
+    """The source of exactly the named definitions, [(file, names), ...] in the order given, a later copy of a name
+    replacing an earlier one, after the standard library's and torch's imports; calls of common.py's copied names
+    (and machine.py's, which common imports) lose their `common.`, as the autocast row says."""
     code, imports, from_common = {}, [], set()
     for source, names in pieces:
         lines, found = definitions(source)
@@ -97,14 +111,12 @@ def copied(*pieces):
         for name in names:
             first, last = found[name]
             code[name] = "\n".join(lines[first - 1:last])
-        from_common |= set(names) if source == "common.py" else set()
+        from_common |= set(names) if source in ("common.py", "machine.py") else set()  # common has machine's
     source_code = "\n\n\n".join(code.values())
     for name in from_common:
         source_code = re.sub(rf"\bcommon\.{name}\b", name, source_code)
-    assert not re.search(r"\b(common|harness)\.", source_code), "a copied piece leans on common.py or harness.py"
-    module = types.ModuleType("client_pieces")
-    exec(compile("".join(imports) + TORCH_IMPORTS + source_code, "<copied pieces>", "exec"), module.__dict__)
-    return module
+    assert not re.search(r"\bcommon\.", source_code), "a copied piece leans on common.py"
+    return "".join(imports) + TORCH_IMPORTS + "\n\n" + source_code + "\n"
 
 
 # ------------------------------------------------------------------------------------ the client
@@ -264,7 +276,7 @@ def step_epochs(pieces, model, optimizers, device=CPU, epochs=4, sizes=None):
     statistics = pieces.channel_statistics(images)
     steps, generator = len(labels) // 16, torch.Generator(device).manual_seed(0)
     plan = pieces.empty_plan((images, labels), statistics, 2, steps, 16)
-    step = pieces.train_step(model, nn.CrossEntropyLoss(), optimizers, plan,
+    step = pieces.make_train_step(model, nn.CrossEntropyLoss(), optimizers, plan,
                              pieces.autocast_dtype(device)[0] if hasattr(pieces, "autocast_dtype") else torch.float32)
     if sizes is None:
         graphed = {None: pieces.cuda_graph(step, device)}
@@ -289,10 +301,10 @@ def graph_row(pieces, capsys):
     assert plan.cursor.item() == 0, "the epoch's last step wraps the cursor to its first"
     float_rate = torch.optim.AdamW(model.parameters(), lr=0.01)
     with pytest.raises(TypeError, match=r"AdamW's learning rate is a float.*lr=torch\.tensor"):
-        pieces.train_step(model, nn.CrossEntropyLoss(), [float_rate], plan)
+        pieces.make_train_step(model, nn.CrossEntropyLoss(), [float_rate], plan)
     images, labels = pieces.load_to_device(client_dataset(), CPU)
     empty = pieces.empty_plan((images, labels), pieces.channel_statistics(images), 2, 8, 16)
-    step = pieces.train_step(model, nn.CrossEntropyLoss(), [capturable_adamw(model.parameters())], empty)
+    step = pieces.make_train_step(model, nn.CrossEntropyLoss(), [capturable_adamw(model.parameters())], empty)
     with pytest.raises(RuntimeError, match="plan_epoch"):
         step()
 
@@ -336,16 +348,23 @@ def parallelism_row(pieces):
     saved = {name: os.environ.get(name) for name in torchrun}
     os.environ.update(torchrun)
     try:
+        assert pieces.started_by_torchrun()
         rank, world_size, device = pieces.setup_distributed(CPU)
         assert (rank, world_size, device) == (0, 1, CPU) and torch.distributed.get_backend() == "gloo"
+        pieces.point_to_torchrun(device, world_size)  # one process on a CPU: nothing to say
         network = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.LazyLinear(4))
         network(torch.rand(2, 3, 8, 8))
-        model = DistributedDataParallel(network, gradient_as_bucket_view=True)
+        with pieces.rank_zero_first(world_size):
+            pass
+        model = DistributedDataParallel(network, gradient_as_bucket_view=True,
+                                        **{pieces.broadcast_buffers_keyword(): False})
         F.cross_entropy(model(torch.rand(8, 3, 8, 8)), torch.arange(8) % 4).backward()
         assert all(parameter.grad is not None for parameter in model.parameters())
         buffers = [buffer.clone() for buffer in model.buffers()]
         pieces.average_batchnorm_buffers(model, world_size)  # one rank: its own
         assert all(torch.equal(before, after) for before, after in zip(buffers, model.buffers()))
+        pieces.leave_process_group()
+        assert not torch.distributed.is_initialized()
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
@@ -355,6 +374,61 @@ def parallelism_row(pieces):
              torch.zeros(4, 16, 1)]
     shares = [pieces.rank_share(draws, rank, 8)[0] for rank in (0, 1)]
     assert torch.equal(torch.cat(shares, 1).flatten().sort().values, torch.arange(64))  # disjoint, all 64 images
+
+
+# The client's own data-parallel training, after the row's pieces: a tiny net, its data made alike on every rank
+DDP_CLIENT = """
+
+def main():
+    world_size = int(os.environ["WORLD_SIZE"]) if started_by_torchrun() else 1
+    rank, world_size, device = setup_distributed(torch.device("cpu"))
+    point_to_torchrun(device, world_size)
+    with rank_zero_first(world_size):  # the client's download, one machine at a time
+        generator = torch.Generator().manual_seed(0)
+        labels = torch.randint(0, 4, (64,), generator=generator)
+        images = torch.rand(64, 3, 8, 8, generator=generator) + labels.view(-1, 1, 1, 1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(8, 4))
+    ddp = DistributedDataParallel(model, gradient_as_bucket_view=True, **{broadcast_buffers_keyword(): False})
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    for epoch in range(3):
+        batches = torch.randperm(64, generator=generator).view(4, 16)  # the same global batches on every rank
+        draw = (batches, torch.zeros(4, 2, 16, 1), torch.zeros(4, 16, 1, dtype=torch.bool))
+        for indices in rank_share(draw, rank, 16 // world_size)[0]:
+            F.cross_entropy(ddp(images[indices]), labels[indices]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        average_batchnorm_buffers(model, world_size)
+    torch.save(model.state_dict(), sys.argv[1] + str(rank))
+    if world_size > 1:
+        leave_process_group()
+
+
+main()
+"""
+
+
+def test_the_data_parallel_row_copied_into_a_client_file_trains_two_ranks_to_equal_weights(tmp_path):
+    # torchrun's two processes, Gloo between them, each on its share of the same global batches: DDP's averaged
+    # gradients and the averaged BatchNorm statistics leave both ranks with the same model
+    client = tmp_path / "client_ddp.py"
+    client.write_text(copied_source(*row_names("data parallelism")[0]) + DDP_CLIENT)
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                             f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-backend=c10d", str(client),
+                             str(tmp_path / "rank")], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    seconds = time.monotonic() - started
+    assert result.returncode == 0, result.stderr[-2000:]
+    ranks = [torch.load(tmp_path / f"rank{rank}") for rank in (0, 1)]
+    assert ranks[0].keys() == ranks[1].keys()
+    assert all(torch.equal(ranks[0][name], ranks[1][name]) for name in ranks[0]), "the ranks' weights differ"
+    assert not torch.equal(ranks[0]["0.weight"], (torch.manual_seed(0), nn.Conv2d(3, 8, 3))[1].weight), "it trained"
+    assert seconds <= 30, f"{seconds:.0f} s"
 
 
 ROWS = {"16-bit autocast where the hardware runs it, float32 elsewhere": autocast_row,
@@ -385,8 +459,8 @@ def test_a_row_copied_alone_into_the_client_does_what_it_promises(optimization, 
 
 
 def test_a_row_that_names_too_little_fails():
-    pieces = copied(("opt4.py", ["empty_plan", "plan_epoch", "train_step", "cuda_graph", "load_to_device",
-                                 "channel_statistics", "draw_epoch"]))  # without micro_batch_loss and the rest
+    pieces = copied(("opt4.py", ["empty_plan", "plan_epoch", "make_train_step", "cuda_graph", "load_to_device",
+                                 "draw_epoch"]), ("common.py", ["channel_statistics"]))  # without micro_batch_loss...
     with pytest.raises(NameError, match="micro_batch_loss"):
         step_epochs(pieces, TutorialNet(), [capturable_adamw(TutorialNet().parameters())], epochs=1)
 
@@ -427,7 +501,7 @@ def test_cuda_the_copied_step_replays_as_a_graph_with_host_syncs_forbidden(in_se
         if in_sequence else [capturable_adamw(model.parameters(), device=gpu)]
     images, labels = pieces.load_to_device(client_dataset(), gpu)
     plan = pieces.empty_plan((images, labels), pieces.channel_statistics(images), 2, 8, 16)
-    step = pieces.train_step(model, nn.CrossEntropyLoss(), optimizers, plan)
+    step = pieces.make_train_step(model, nn.CrossEntropyLoss(), optimizers, plan)
     graphed = pieces.cuda_graph((lambda: step(32)) if in_sequence else step, gpu)
     generator, rates, losses = torch.Generator(gpu).manual_seed(0), torch.full((8,), 0.01, device=gpu), []
     for epoch in range(4):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "tools"))  # screen.py: a tool
-import harness  # noqa: E402
+import common  # noqa: E402
 import screen  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
@@ -304,7 +304,7 @@ def test_run_stops_before_a_run_that_would_end_past_the_deadline_and_says_what_i
     def run_for_30_seconds(command, seconds_left):
         clock[0] += 30
         return run_one(command, seconds_left)
-    monkeypatch.setattr(harness, "seconds_since_launch", lambda: clock[0])
+    monkeypatch.setattr(common, "seconds_since_launch", lambda: clock[0])
     monkeypatch.setattr(screen, "run_one", run_for_30_seconds)
     out = tmp_path / "screen.jsonl"
     code, output, _ = run_screen_here(monkeypatch, capfd, "run", "--json", out, "--time-rows", "--bundles", *bundles,
@@ -339,7 +339,7 @@ def test_run_end_to_end_on_the_cpu_with_ablation_py(tmp_path, monkeypatch, capfd
         code = run_one(command, seconds_left)
         clock[0] += 200
         return code
-    monkeypatch.setattr(harness, "seconds_since_launch", lambda: clock[0])  # not pytest's age
+    monkeypatch.setattr(common, "seconds_since_launch", lambda: clock[0])  # not pytest's age
     monkeypatch.setattr(screen, "run_one", run_as_if_for_200_seconds)
     out = tmp_path / "screen.jsonl"
     code, output, errors = run_screen_here(monkeypatch, capfd, "run", "--json", out, "--time-rows", "full-eval",

@@ -1,4 +1,5 @@
 """Tests for the fast-cifar scripts. CPU only, tiny data, no network: `python -m pytest -q`."""
+import ast
 import collections
 import contextlib
 import functools
@@ -33,10 +34,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "tools"))  # plot.py, ablation.py: the tools
 import ablation  # noqa: E402
+import accounting  # noqa: E402
 import baseline  # noqa: E402
 import benchmark  # noqa: E402
 import common  # noqa: E402
-import harness  # noqa: E402
+import machine  # noqa: E402
 import opt1  # noqa: E402
 import opt2  # noqa: E402
 import opt3  # noqa: E402
@@ -53,7 +55,7 @@ CPU = torch.device("cpu")
 # Point downloads at a closed local port, so "no network" fails at once on any machine.
 NO_NETWORK = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}
 SMALL = ["--synthetic", "--device", "cpu", "--test-size", "256"]
-NO_MONITOR = SimpleNamespace(step=lambda: None)  # what harness.step_monitor yields, minus progress and profiling
+NO_MONITOR = SimpleNamespace(step=lambda: None)  # what common.step_monitor yields, minus progress and profiling
 # What opt1 onwards run on this machine's CPU: bfloat16 where it has a bfloat16 unit, else float32.
 CPU_AMP_DTYPE = opt1.autocast_dtype(CPU)[0]
 
@@ -89,9 +91,9 @@ def call(function, **available):
         available.setdefault("optimizers", optimizer if isinstance(optimizer, list) else [optimizer])
     available["run"] = SimpleNamespace(args=args, **{"rank": 0, "world_size": 1, "crop_padding": common.CROP_PADDING,
                                                      **available})
-    if hasattr(module, "channel_statistics") and "statistics" not in available:
+    if hasattr(module, "normalize") and "statistics" not in available:
         available["run"].statistics = common.cifar10_statistics(available.get("device", CPU))
-    if hasattr(module, "train_step") and "train_data" in available:
+    if hasattr(module, "make_train_step") and "train_data" in available:
         assemble_the_step(module, available["run"], epochs=available.get("epoch", 1))
     names = inspect.signature(function).parameters
     return function(**{name: available[name] for name in names})
@@ -117,7 +119,7 @@ def assemble_the_step(module, run, epochs):
     run.schedule = rate.repeat(steps * epochs)
     run.plan = module.empty_plan(run.train_data, run.statistics, run.crop_padding, steps, run.args.batch_size,
                                  run.args.accum_steps)
-    step = module.train_step(run.model, run.criterion, optimizers_of(run), run.plan,
+    step = module.make_train_step(run.model, run.criterion, optimizers_of(run), run.plan,
                              getattr(run, "amp_dtype", torch.float32), getattr(run, "scaler", None))
     if "size" in inspect.signature(module.micro_batch_loss).parameters:  # opt5 onwards: a step per image size
         run.train_steps = {size: functools.partial(step, size) for size in (8, 16, 24, 32)}
@@ -169,12 +171,11 @@ LEARN_ARGS = {
 EVAL_TRANSFORM = {"baseline.py": common.plain_transform, "opt1.py": common.plain_transform,
                   "opt2.py": common.normalized_transform, "opt3.py": None, "opt4.py": None, "opt5.py": None, "opt6.py": None}
 SUMMARY_FIELDS = {"total_seconds", "launch_to_result_seconds", "warmup_seconds", "steady_images_per_second",
-                  "steady_ms_per_step", "achieved_tflops", "final_test_accuracy", "peak_memory_bytes",
-                  "training_flops_per_image", "final_lr", "script", "device", "torch", "data", "settings", "epochs",
-                  "commit", "data_fingerprint", "setup_seconds", "training_flops", "modelled_h200_seconds"}
+                  "steady_ms_per_step", "final_test_accuracy", "peak_memory_bytes", "final_lr", "script", "date",
+                  "command", "device", "device_name", "cpu", "threads", "torch", "data", "chain", "settings", "epochs",
+                  "setup_seconds"}
 EPOCH_FIELDS = {"epoch", "train_loss", "train_accuracy", "test_loss", "test_accuracy", "train_seconds",
-                "images_per_second", "ms_per_step", "steps", "images", "launch_seconds", "training_flops",
-                "modelled_h200_seconds"}
+                "images_per_second", "ms_per_step", "steps", "images", "launch_seconds"}
 
 
 @pytest.mark.floor
@@ -190,7 +191,7 @@ def test_script_learns_reports_and_saves(script, tmp_path):
     assert ("world size 1: global batch 16" in result.stdout) == (script == "opt6.py")  # no torchrun: one process
 
     report = read_json(json_path)
-    assert SUMMARY_FIELDS <= report.keys()
+    assert report.keys() - {"world_size"} == SUMMARY_FIELDS, "the run's own figures: the tools add the lab's"
     sized = {"image_size", "test_images"} if script in ("opt5.py", "opt6.py") else set()
     assert [set(epoch) for epoch in report["epochs"]] == [EPOCH_FIELDS | sized, EPOCH_FIELDS | sized]
     assert [epoch.get("image_size", 32) for epoch in report["epochs"]] == [16 if sized else 32, 32]
@@ -199,11 +200,8 @@ def test_script_learns_reports_and_saves(script, tmp_path):
     assert report["final_test_accuracy"] > 0.5, "chance is 0.1: the loop does not learn"
     assert report["epochs"][1]["train_loss"] < report["epochs"][0]["train_loss"]
     # steady state is not measured where the epochs train on different image sizes (opt5, opt6)
-    steady = {"warmup_seconds", "steady_images_per_second", "steady_ms_per_step", "achieved_tflops"} if sized else set()
-    # the commit is unknown only outside a git checkout (a source archive), and then it alone is null
-    unknown = {"commit"} if harness.git_commit() is None else set()
-    assert all(value is not None for name, value in report.items() if name not in steady | unknown)
-    assert (report["commit"] is None) == bool(unknown)
+    steady = {"warmup_seconds", "steady_images_per_second", "steady_ms_per_step"} if sized else set()
+    assert all(value is not None for name, value in report.items() if name not in steady)
 
     assert_saved_weights_match_the_report(weights, report, ALL_SCRIPTS[script], EVAL_TRANSFORM[script])
 
@@ -239,15 +237,49 @@ def test_help_documents_every_flag_with_its_default(script):
     assert all("default" in text for text in help_texts), help_texts
 
 
-@pytest.mark.parametrize("module", [*ALL_SCRIPTS.values(), common, harness],
-                         ids=[*ALL_SCRIPTS, "common.py", "harness.py"])
+@pytest.mark.parametrize("module", [*ALL_SCRIPTS.values(), common, machine, accounting],
+                         ids=[*ALL_SCRIPTS, "common.py", "machine.py", "tools/accounting.py"])
 def test_no_function_takes_more_than_six_parameters(module):
     # Settings reach train_one_epoch and evaluate as one object, `run`: a signature names what the function works on.
     functions = [value for value in vars(module).values()
                  if inspect.isfunction(value) and value.__module__ == module.__name__]
     parameters = {function.__name__: len(inspect.signature(function).parameters) for function in functions}
-    assert "train_one_epoch" in parameters or module in (common, harness)
+    assert "train_one_epoch" in parameters or module in (common, machine, accounting)
     assert {name: count for name, count in parameters.items() if count > 6} == {}
+
+
+def project_imports(path):
+    """The top-level modules `path` imports, by the first part of each name."""
+    tree = ast.parse(path.read_text())
+    return {(node.module if isinstance(node, ast.ImportFrom) else alias.name).split(".")[0]
+            for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+            for alias in node.names}
+
+
+@pytest.mark.parametrize("script", ALL_SCRIPTS)
+def test_a_chain_script_imports_the_standard_library_torch_torchvision_and_common_alone(script):
+    # A learner opens the script and common.py, nothing else: what the script teaches is in it
+    imported = project_imports(ROOT / script) - set(sys.stdlib_module_names)
+    assert imported <= {"torch", "torchvision", "common"}, imported
+    assert "common" in imported
+
+
+def test_common_calls_machine_which_imports_nothing_of_the_project_and_no_tool_is_imported_by_the_run():
+    modules = {path.stem for path in ROOT.glob("*.py")} | {path.stem for path in (ROOT / "tools").glob("*.py")}
+    assert project_imports(ROOT / "machine.py") & modules == set(), "machine.py: verdicts only, no circular import"
+    assert project_imports(ROOT / "common.py") & modules == {"machine"}
+    # tools/ and benchmark.py import the scripts, never the reverse
+    assert "accounting" in project_imports(ROOT / "benchmark.py")
+    for tool in ("plot", "ablation", "warm_clock"):
+        assert "accounting" in project_imports(ROOT / "tools" / f"{tool}.py"), tool
+
+
+def test_opt6_holds_torchruns_start_the_download_turns_ddps_keyword_and_the_exit_each_tagged_where_it_happens():
+    tagged = [code for tag, code in tagged_lines("opt6.py") if tag.startswith("# opt6:")]
+    for name in ("started_by_torchrun()", "point_to_torchrun(", "rank_zero_first(", "broadcast_buffers_keyword()",
+                 "leave_process_group()"):
+        assert any(name in code for code in tagged), f"{name} is not called on a line tagged # opt6:"
+        assert f"def {name.split('(')[0]}(" in (ROOT / "opt6.py").read_text()
 
 
 TAG = re.compile(r"# (opt\d): (.+)$")
@@ -293,7 +325,7 @@ def test_a_later_script_keeps_an_earlier_tag_word_for_word_on_a_line_it_keeps(ea
 
 def test_settings_line_shows_zero_and_off_values(capsys):
     args = SimpleNamespace(seed=0, label_smoothing=0.0, compile=False, json=None)
-    harness.print_settings("opt2.py", CPU, args)
+    common.print_settings("opt2.py", CPU, args)
     assert capsys.readouterr().out == "opt2.py on cpu: seed 0, label_smoothing 0.0, compile False\n"
 
 
@@ -403,12 +435,12 @@ def test_a_torch_older_than_the_floor_exits_2_with_one_line_and_the_floor_is_req
     result = run_on_fake_machine('torch.__version__ = "2.4.1+cu121"', "opt2.py", *NO_DATA)
     assert_one_error_line(result, "torch 2.4.1+cu121 is older than 2.6, the oldest these scripts run on")
     floor = re.search(r"^torch>=([\d.]+)$", (ROOT / "requirements.txt").read_text(), re.MULTILINE).group(1)
-    assert tuple(map(int, floor.split("."))) == harness.OLDEST_TORCH
+    assert tuple(map(int, floor.split("."))) == machine.OLDEST_TORCH
 
 
 def test_a_containers_pre_release_build_of_the_floor_is_the_floor(monkeypatch):
     monkeypatch.setattr(torch, "__version__", "2.6.0a0+ecf3bae40a")  # as NVIDIA's containers name theirs
-    harness.check_torch_version()  # no exit
+    assert machine.torch_too_old() is None
 
 
 @pytest.mark.floor
@@ -437,7 +469,7 @@ def test_a_driver_too_old_for_a_cuda_12_build_is_told_to_update_the_driver_only(
 
     monkeypatch.setattr(torch.cuda, "is_available", is_available)
     monkeypatch.setattr(torch.version, "cuda", "12.4")
-    assert harness.why_no_cuda() == ("a GPU is here, but its NVIDIA driver is too old for this torch's CUDA 12.4 (it "
+    assert machine.why_no_cuda() == ("a GPU is here, but its NVIDIA driver is too old for this torch's CUDA 12.4 (it "
                                     "runs CUDA 11.4 at most)", "update the driver to 525 or newer")
 
 
@@ -454,7 +486,7 @@ def test_a_cpu_only_torch_build_says_so_and_how_to_get_a_cuda_build():
 def test_macos_says_it_has_no_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(sys, "platform", "darwin")
-    assert harness.why_no_cuda() == ("macOS has no CUDA", None)
+    assert machine.why_no_cuda() == ("macOS has no CUDA", None)
 
 
 @pytest.mark.parametrize("script", ["baseline.py", "opt5.py"])
@@ -480,11 +512,7 @@ def test_gpu_architecture_check_follows_cudas_compatibility_rules(capability, ar
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: divmod(capability, 10))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "GPU")
     monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: architectures)
-    if runs:
-        harness.check_gpu_architectures()
-    else:
-        with pytest.raises(SystemExit):
-            harness.check_gpu_architectures()
+    assert (machine.gpu_without_kernels() is None) == runs
 
 
 def fake_compile_failure(*names):
@@ -505,11 +533,11 @@ def fake_compile_failure(*names):
 ])
 def test_a_failed_compile_is_named_by_its_innermost_cause(names, says, monkeypatch):
     monkeypatch.setattr(sys, "platform", "linux")
-    assert says in harness.compile_failure(fake_compile_failure(*names))
+    assert says in machine.compile_failure(fake_compile_failure(*names))
     # Inductor's InductorError keeps the cause in inner_exception, not __cause__
     error = fake_compile_failure(names[0])
     error.inner_exception = fake_compile_failure(*names[1:])
-    assert says in harness.compile_failure(error)
+    assert says in machine.compile_failure(error)
 
 
 def test_a_gpu_without_triton_is_told_why_it_runs_eager_in_one_line_before_the_data(tmp_path):
@@ -530,14 +558,14 @@ torch.utils._triton.has_triton_package = lambda: False
                                                           ((9, 0), False, "no C compiler for Triton's kernel launcher"),
                                                           ((9, 0), True, None)])
 def test_inductors_needs_on_a_gpu_are_checked_without_compiling(capability, c_compiler, says, monkeypatch):
-    harness.compile_problem.cache_clear()
+    machine.compile_problem.cache_clear()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(sys.modules["torch.utils._triton"], "has_triton_package", lambda: True)
-    monkeypatch.setattr(harness.shutil, "which", lambda name: f"/usr/bin/{name}" if c_compiler else None)
+    monkeypatch.setattr(machine.shutil, "which", lambda name: f"/usr/bin/{name}" if c_compiler else None)
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.setattr(torch, "compile", lambda *args, **kwargs: pytest.fail("a trial compile"))
-    problem = harness.compile_problem(torch.device("cuda", 0))
-    harness.compile_problem.cache_clear()
+    problem = machine.compile_problem(torch.device("cuda", 0))
+    machine.compile_problem.cache_clear()
     assert (problem is None) if says is None else (says in problem), problem
 
 
@@ -652,7 +680,10 @@ def test_real_cifar10_path_reads_torchvision_layout(tmp_path, monkeypatch):
     baseline.main()
     report = read_json(json_path)
     assert report["data"] == "cifar10" and report["epochs"][0]["images"] == 6 * 16
-    assert report["data_fingerprint"] == harness.data_fingerprint(args) and report["commit"] == harness.git_commit()
+    # the run counts nothing about itself; benchmark.py and the tools add where its code and data came from
+    assert not {"commit", "data_fingerprint", "training_flops", "modelled_h200_seconds"} & report.keys()
+    assert accounting.add_provenance(report, "abc1234") == {**report, "commit": "abc1234",
+                                                             "data_fingerprint": accounting.data_fingerprint(vars(args))}
 
 
 def test_a_cifar10_batch_that_does_not_unpickle_exits_2_with_one_line(tmp_path):
@@ -665,29 +696,30 @@ def test_a_cifar10_batch_that_does_not_unpickle_exits_2_with_one_line(tmp_path):
 
 def test_rows_name_their_data_by_the_md5s_of_its_files(tmp_path):
     write_tiny_cifar10(tmp_path)
-    args, folder = SimpleNamespace(synthetic=False, data_dir=str(tmp_path)), tmp_path / "cifar-10-batches-py"
+    settings, folder = {"synthetic": False, "data_dir": str(tmp_path)}, tmp_path / "cifar-10-batches-py"
     names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
-    copy = harness.data_fingerprint(args)
-    assert copy == harness.fingerprint([hashlib.md5((folder / name).read_bytes()).hexdigest() for name in names])
+    copy = accounting.data_fingerprint(settings)
+    assert copy == accounting.fingerprint([hashlib.md5((folder / name).read_bytes()).hexdigest() for name in names])
     # The official files are those whose md5s torchvision checks, so theirs follows from its list; the results page
     # says it
-    official = harness.fingerprint([md5 for _, md5 in torchvision.datasets.CIFAR10.train_list
-                                    + torchvision.datasets.CIFAR10.test_list])
+    official = accounting.fingerprint([md5 for _, md5 in torchvision.datasets.CIFAR10.train_list
+                                       + torchvision.datasets.CIFAR10.test_list])
     assert re.fullmatch(r"[0-9a-f]{12}", copy) and copy != official
     assert f"`{official}`" in (ROOT / "results/README.md").read_text()
     data = bytearray((folder / "test_batch").read_bytes())
     data[-1] ^= 1  # one bit of one file
     (folder / "test_batch").write_bytes(data)
-    assert harness.data_fingerprint(args) not in (copy, official)
-    assert harness.data_fingerprint(SimpleNamespace(synthetic=True, data_dir=None)) == "synthetic"
-    assert harness.data_fingerprint(SimpleNamespace(synthetic=False, data_dir=str(tmp_path / "none"))) is None
+    assert accounting.data_fingerprint(settings) not in (copy, official)
+    assert accounting.data_fingerprint({"synthetic": True, "data_dir": None}) == "synthetic"
+    assert accounting.data_fingerprint({"synthetic": False, "data_dir": str(tmp_path / "none")}) is None
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
-def test_rows_name_the_commit_and_say_when_the_code_differs_from_it(tmp_path, monkeypatch):
-    for name in ("harness.py", "common.py"):
+def test_rows_name_the_commit_and_say_when_the_code_differs_from_it(tmp_path):
+    (tmp_path / "tools").mkdir()
+    for name in ("common.py", "machine.py", "tools/accounting.py"):
         (tmp_path / name).write_text((ROOT / name).read_text())
-    spec = importlib.util.spec_from_file_location("copied_harness", tmp_path / "harness.py")
+    spec = importlib.util.spec_from_file_location("copied_accounting", tmp_path / "tools" / "accounting.py")
     copied = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(copied)  # its git_commit() asks the git checkout it sits in
     assert copied.git_commit() is None, "not in a git checkout"
@@ -705,25 +737,32 @@ def test_rows_name_the_commit_and_say_when_the_code_differs_from_it(tmp_path, mo
     with open(tmp_path / "common.py", "a") as file:
         file.write("# a change\n")
     assert copied.git_commit() == f"{commit}+changes"
-    assert copied.COMMIT_AT_LAUNCH is None, "a row names the code its script started with, not the checkout at its end"
 
 
 def copy_without_git(folder, *names):
     """The named files of this checkout copied into `folder`, as a source archive unpacks them: no .git above."""
     for name in names:
+        (folder / name).parent.mkdir(exist_ok=True)
         shutil.copy(ROOT / name, folder / name)
     # git looks no higher than `folder`, wherever the temporary folders are
     return {"GIT_CEILING_DIRECTORIES": str(folder.parent)}
 
 
-def test_rows_name_the_commit_unknown_outside_a_git_checkout(tmp_path):
-    env = copy_without_git(tmp_path, "baseline.py", "common.py", "harness.py")
-    json_path = tmp_path / "row.json"
-    result = run_script(tmp_path / "baseline.py", *SMALL, "--epochs", 1, "--train-size", 64, "--json", json_path,
-                        env=env)
+def test_a_chain_script_asks_git_nothing_and_imports_no_tool(tmp_path):
+    # The run is the lesson: where its code came from is the tools' business (tools/accounting.py), read once as they
+    # start. A git that leaves a mark on every call shows whether --help or a run asked it anything.
+    (tmp_path / "bin").mkdir()
+    fake_git = tmp_path / "bin" / "git"
+    fake_git.write_text(f"#!/bin/sh\ntouch {tmp_path / 'asked'}\nexit 1\n")
+    fake_git.chmod(0o755)
+    env = {"PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}"}
+    assert run_script("opt5.py", "--help", env=env).returncode == 0
+    result = run_script("-X", "importtime", "baseline.py", *SMALL, "--epochs", 1, "--train-size", 64, "--json",
+                        tmp_path / "row.json", env=env)
     assert result.returncode == 0, result.stderr
-    assert "commit unknown: not a git checkout" in result.stdout
-    assert read_json(json_path)["commit"] is None
+    assert not (tmp_path / "asked").exists(), "a chain script ran git"
+    imported = set(re.findall(r"\|\s+(\w+)$", result.stderr, flags=re.MULTILINE))
+    assert {"common", "machine"} <= imported and not imported & {"accounting", "benchmark", "plot"}
 
 
 # ------------------------------------------------------------------------ gradient accumulation
@@ -809,14 +848,14 @@ def test_clock_waits_for_the_gpu_before_reading_the_time(monkeypatch):
 
 def test_progress_prints_a_line_every_30_seconds_of_a_long_epoch(capsys):
     seconds = iter([0, 10, 20, 31, 40, 62])  # the monitor's clock: at the start, then at each step
-    with harness.step_monitor(2, None, CPU, clock=lambda: next(seconds)) as monitor:
+    with common.step_monitor(2, None, CPU, clock=lambda: next(seconds)) as monitor:
         for _ in range(5):
             monitor.step()
     assert capsys.readouterr().out == "  epoch 2: 3 steps in 31 s\n  epoch 2: 5 steps in 62 s\n"
 
 
 def test_progress_is_silent_in_a_short_epoch(capsys):
-    with harness.step_monitor(1, None, CPU) as monitor:
+    with common.step_monitor(1, None, CPU) as monitor:
         for _ in range(100):
             monitor.step()
     assert capsys.readouterr().out == ""
@@ -828,21 +867,23 @@ def test_steady_state_excludes_the_first_epoch():
                 "launch_seconds": 9.0}
 
     records = [record(100.0), record(10.0), record(10.0)]
-    summary = harness.summarize(records, total_seconds=125.0, peak_memory=1, flops_per_image=1e9)
+    summary = common.summarize(records, total_seconds=125.0, peak_memory=1)
     assert summary["steady_images_per_second"] == pytest.approx(100.0)
     assert summary["steady_ms_per_step"] == pytest.approx(1000.0)
     assert summary["warmup_seconds"] == pytest.approx(90.0)
-    assert summary["achieved_tflops"] == pytest.approx(100.0 * 1e9 / 1e12)
-    no_slower = harness.summarize([record(10.0), record(10.5)], total_seconds=25.0, peak_memory=1, flops_per_image=1e9)
+    row = {"settings": {}, "epochs": [dict(record) for record in records], **summary}
+    assert accounting.add_work(row)["achieved_tflops"] == pytest.approx(100.0 * accounting.training_flops_per_image()
+                                                                         / 1e12)
+    no_slower = common.summarize([record(10.0), record(10.5)], total_seconds=25.0, peak_memory=1)
     assert no_slower["warmup_seconds"] == 0.0, "machine noise must not show as negative warm-up"
-    one_epoch = harness.summarize(records[:1], total_seconds=100.0, peak_memory=1, flops_per_image=1e9)
+    one_epoch = common.summarize(records[:1], total_seconds=100.0, peak_memory=1)
     assert one_epoch["steady_images_per_second"] is None and one_epoch["warmup_seconds"] is None
 
 
-def test_harness_imports_without_resource_and_then_leaves_peak_memory_unmeasured():
+def test_common_imports_without_resource_and_then_leaves_peak_memory_unmeasured():
     # Windows has no `resource` module: the scripts must still import and run, with peak memory "not measured".
-    code = "import sys; sys.modules['resource'] = None; import harness, torch; " \
-           "print(harness.peak_memory_bytes(torch.device('cpu')))"
+    code = "import sys; sys.modules['resource'] = None; import common, torch; " \
+           "print(common.peak_memory_bytes(torch.device('cpu')))"
     result = run_script("-c", code)
     assert result.returncode == 0 and result.stdout.strip() == "None", result.stderr
 
@@ -850,8 +891,8 @@ def test_harness_imports_without_resource_and_then_leaves_peak_memory_unmeasured
 @pytest.mark.parametrize("platform, unit", [("linux", 1024), ("darwin", 1)])
 def test_peak_memory_reads_kib_on_linux_and_bytes_on_macos(platform, unit, monkeypatch):
     monkeypatch.setattr(sys, "platform", platform)
-    monkeypatch.setattr(harness.resource, "getrusage", lambda who: SimpleNamespace(ru_maxrss=5000))
-    assert harness.peak_memory_bytes(CPU) == 5000 * unit
+    monkeypatch.setattr(common.resource, "getrusage", lambda who: SimpleNamespace(ru_maxrss=5000))
+    assert common.peak_memory_bytes(CPU) == 5000 * unit
 
 
 def test_resnet10_shape_and_flop_count():
@@ -859,31 +900,31 @@ def test_resnet10_shape_and_flop_count():
     assert sum(p.numel() for p in model.parameters()) == 4_903_242
     assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
     # Forward is ~0.25 GMAC = 0.5 GFLOP per image; backward costs about twice the forward.
-    assert 1.3e9 < harness.training_flops_per_image() < 1.7e9
+    assert 1.3e9 < accounting.training_flops_per_image() < 1.7e9
 
 
 def test_each_epochs_work_is_counted_at_its_size_and_batch_and_modelled_on_an_h200():
-    update = plot.muon_update_flops(3)
+    update = accounting.muon_update_flops(3)
     # Newton-Schulz on the 12 filters one at a time, as opt5's Muon runs it (37.1 GFLOP in 5 zero-padded batches, as
     # ablation.py's muon-other-form row runs it), results/README.md
     assert update == pytest.approx(27.3e9, rel=0.01)
-    at = {size: harness.training_flops_per_image(size) for size in (16, 24, 32)}
+    at = {size: accounting.training_flops_per_image(size) for size in (16, 24, 32)}
     assert at[16] == pytest.approx(at[32] / 4, rel=0.01) and at[24] == pytest.approx(at[32] * 9 / 16, rel=0.01)
     # The H200 model: least squares over the measured steps, a fixed part and one per image x pixel
-    fixed, per_pixel = harness.h200_step_fit()
+    fixed, per_pixel = accounting.h200_step_fit()
     assert (fixed, per_pixel) == (pytest.approx(0.864e-3, abs=1e-6), pytest.approx(7.55e-9, rel=1e-3))
-    residuals = [ms / 1000 - harness.modelled_h200_step_seconds(images, side, muon=False)
-                 for images, side, ms in harness.H200_MEASURED_STEPS]
+    residuals = [ms / 1000 - accounting.modelled_h200_step_seconds(images, side, muon=False)
+                 for images, side, ms in accounting.H200_MEASURED_STEPS]
     assert sum(residuals) == pytest.approx(0, abs=1e-9) and max(map(abs, residuals)) < 0.1e-3
     # 5 epochs of batch 128 at 16, 16, 24, 24, 32 px, with Muon: each step its fit at its size, plus Muon's 0.6 ms
     records = [{"image_size": size, "steps": 390, "images": 390 * 128} for size in (16, 16, 24, 24, 32)]
-    work = harness.count_work(records, update, muon=True)
+    work = accounting.count_work(records, update, muon=True)
     assert work["modelled_h200_seconds"] == pytest.approx(
         sum(390 * (fixed + per_pixel * 128 * size ** 2 + 0.6e-3) for size in (16, 16, 24, 24, 32)))
     assert records[4]["training_flops"] == pytest.approx(390 * (128 * at[32] + update))
     # Without Muon, a 32-px epoch at batch 512: 97 steps of the fit alone
     big = [{"steps": 97, "images": 97 * 512}]
-    assert harness.count_work(big, 0, muon=False)["modelled_h200_seconds"] == pytest.approx(
+    assert accounting.count_work(big, 0, muon=False)["modelled_h200_seconds"] == pytest.approx(
         97 * (fixed + per_pixel * 512 * 32 ** 2))
 
 
@@ -900,7 +941,7 @@ def test_the_recipes_defaults_take_as_many_steps_as_five_epochs_of_128_in_7_3_mo
     assert [(size, sizes.count(size)) for size in (16, 24, 32)] == [(16, 7), (24, 7), (32, 6)]
     steps = common.CIFAR10_TRAIN_SIZE // args.batch_size
     records = [{"image_size": size, "steps": steps, "images": steps * args.batch_size} for size in sizes]
-    work = harness.count_work(records, plot.muon_update_flops(args.ns_steps), muon=True)
+    work = accounting.count_work(records, accounting.muon_update_flops(args.ns_steps), muon=True)
     assert steps * args.epochs == 1940 and 5 * (common.CIFAR10_TRAIN_SIZE // 128) == 1950
     assert 7.3 < work["modelled_h200_seconds"] < 7.4  # results/README.md, "The modelled H200 time"
 
@@ -916,8 +957,8 @@ def modelled_bundle_seconds(row):
         args = opt5.parse_args()
         sizes = opt5.image_sizes(args.epochs, args.min_size, 32, args.full_size_share)
     steps = common.CIFAR10_TRAIN_SIZE // args.batch_size
-    # harness.count_work's modelled seconds, without the FLOP counts it also makes (a ResNet10 pass per epoch)
-    return sum(steps * harness.modelled_h200_step_seconds(args.batch_size, size, muon=args.optimizer == "muon")
+    # accounting.count_work's modelled seconds, without the FLOP counts it also makes (a ResNet10 pass per epoch)
+    return sum(steps * accounting.modelled_h200_step_seconds(args.batch_size, size, muon=args.optimizer == "muon")
                for size in sizes)
 
 
@@ -930,14 +971,32 @@ def test_every_ablation_bundle_models_to_at_most_0_7_of_the_recipes_h200_time():
     assert shares["fifteen-epochs+all"] == shares["fifteen-epochs"], "the tricks add no epochs"
 
 
-def test_the_harness_silences_torchs_warning_of_a_capturable_optimizer_stepping_uncaptured():
-    # On a GPU torch warns once when an optimizer built capturable=True steps uncaptured (the warm-up steps before the
-    # capture, update_flops' copy): a script imports harness, whose filter drops that warning and no other
-    code = ("import warnings, harness; warnings.warn('This instance was constructed with capturable=True or some of all "
-            "the param_groups came with capturable=True, but step() is running without CUDA graph capture.'); "
-            "warnings.warn('another warning')")
-    result = run_script("-c", code)
-    assert result.returncode == 0 and "capturable" not in result.stderr and "another warning" in result.stderr
+CAPTURABLE_WARNING = ("This instance was constructed with capturable=True or some of all the param_groups came with "
+                      "capturable=True, but step() is running without CUDA graph capture.")
+
+
+@pytest.mark.parametrize("script", WHOLE_STEP)
+def test_cuda_graph_silences_the_capturable_warning_in_its_warm_up_steps_and_nowhere_else(script, monkeypatch):
+    # On a GPU torch warns once when an optimizer built capturable=True steps uncaptured, as the warm-up steps before
+    # a capture do by design: cuda_graph drops that warning there, and no other; a step outside it warns as torch does
+    stream = SimpleNamespace(wait_stream=lambda other: None)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda side_stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: SimpleNamespace(replay=lambda: None))
+
+    def step():
+        warnings.warn(CAPTURABLE_WARNING)
+        warnings.warn("another warning")
+    graphed = ALL_SCRIPTS[script].cuda_graph(step, torch.device("cuda"), warmup_steps=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graphed()
+        graphed()
+        step()  # uncaptured outside cuda_graph, as opt6's steps under DDP
+    assert [str(warning.message) for warning in caught] == ["another warning"] * 2 + [CAPTURABLE_WARNING,
+                                                                                       "another warning"]
+    assert not any("capturable" in str(warning.message) for warning in caught[:2])
 
 
 def test_the_update_is_counted_on_a_copy_and_the_runs_weights_do_not_move():
@@ -950,21 +1009,21 @@ def test_the_update_is_counted_on_a_copy_and_the_runs_weights_do_not_move():
     for hooked in (optimizer, adamw):  # as ablation.py's EMA row hooks the last
         hooked.register_step_pre_hook(lambda *_: hooks_run.append("pre"))
         hooked.register_step_post_hook(lambda *_: hooks_run.append("post"))
-    assert harness.update_flops(optimizer) > 0 and all(parameter.grad is None for parameter in parameters)
-    assert harness.update_flops(adamw) == 0  # elementwise: FlopCounterMode counts none
+    assert accounting.update_flops(optimizer) > 0 and all(parameter.grad is None for parameter in parameters)
+    assert accounting.update_flops(adamw) == 0  # elementwise: FlopCounterMode counts none
     assert hooks_run == [], "the copy's step ran the run's hooks"
     assert all(torch.equal(old, parameter) for old, parameter in zip(before, parameters))
     assert all(not state for state in (*optimizer.state.values(), *adamw.state.values())), "the run's took no step"
-    assert harness.update_flops(torch.optim.SGD(parameters, lr=0.1)) == 0
+    assert accounting.update_flops(torch.optim.SGD(parameters, lr=0.1)) == 0
     stem = model.stem[0].weight
     alone = opt5.Muon([stem], torch.tensor(1e-3), dtype=torch.float32, steps=3)
-    every, stem_update = harness.update_flops(optimizer), harness.update_flops(alone)
+    every, stem_update = accounting.update_flops(optimizer), accounting.update_flops(alone)
     stem.requires_grad_(False)  # as ablation.py's whitening row freezes it: no gradient, so a step skips it
-    assert stem_update > 0 and harness.update_flops(optimizer) == every - stem_update
+    assert stem_update > 0 and accounting.update_flops(optimizer) == every - stem_update
 
 
-def test_the_report_counts_every_optimizers_update_and_muons_time_and_gives_the_last_ones_rate(capsys):
-    # opt5 on: run.optimizers, Muon's then AdamW's (or AdamW's alone); opt4: run.optimizer
+def test_the_report_gives_the_last_optimizers_rate_and_accounting_counts_muons_update_and_time(capsys):
+    # opt5 on: run.optimizers, Muon's then AdamW's (or AdamW's alone); before opt4: run.optimizer
     model = small_net()
     filters, others = [p for p in model.parameters() if p.ndim == 4], [p for p in model.parameters() if p.ndim != 4]
     muon, adamw = opt5.Muon(filters, torch.tensor(0.004), dtype=torch.float32, steps=3), opt5.adamw(others, 0.002, CPU)
@@ -972,20 +1031,23 @@ def test_the_report_counts_every_optimizers_update_and_muons_time_and_gives_the_
     def reported(**optimizers):
         records = []
         for size in (16, 32):
-            harness.record_epoch(records, (1.0, 0.5, 4, 128), (1.0, 0.5), 2.0, image_size=size, test_images=64)
+            common.record_epoch(records, (1.0, 0.5, 4, 128), (1.0, 0.5), 2.0, image_size=size, test_images=64)
         run = SimpleNamespace(args=SimpleNamespace(json=None), device=CPU, **optimizers)
-        return harness.report("opt5.py", run, records, 4.0), records
+        return common.report("opt5.py", run, records, 4.0), records
 
-    (summary, records), update = reported(optimizers=[muon, adamw]), harness.update_flops(muon)
-    assert update > 0 and harness.update_flops(adamw) == 0
-    expected = harness.count_work([dict(record) for record in records], update, muon=True)
-    assert (summary["training_flops"], summary["final_lr"]) == (expected["training_flops"], pytest.approx(0.002))
-    assert summary["modelled_h200_seconds"] == pytest.approx(expected["modelled_h200_seconds"])
-    (alone, _), (as_opt4, _) = reported(optimizers=[adamw]), reported(optimizer=adamw)
-    assert alone["training_flops"] == as_opt4["training_flops"] == expected["training_flops"] - 8 * update
-    # Muon's step adds its time to each of the 8 steps
-    assert summary["modelled_h200_seconds"] == pytest.approx(alone["modelled_h200_seconds"]
-                                                            + 8 * harness.H200_MUON_STEP_SECONDS)
+    (summary, records), (as_opt3, _) = reported(optimizers=[muon, adamw]), reported(optimizer=adamw)
+    assert summary["final_lr"] == as_opt3["final_lr"] == pytest.approx(0.002)
+    assert not {"training_flops", "modelled_h200_seconds", "achieved_tflops", "commit"} & summary.keys()
+    # the lab counts the work from the row: Muon's update (opt5's, on ResNet10) in every step, and its time
+    row = {"settings": {"optimizer": "muon", "ns_steps": 3}, **summary, "epochs": records}
+    update, counted = accounting.muon_update_flops(3), accounting.add_work(row)
+    expected = accounting.count_work([dict(record) for record in records], update, muon=True)
+    assert counted["training_flops"] == expected["training_flops"] and "training_flops" not in records[0]
+    assert counted["modelled_h200_seconds"] == pytest.approx(expected["modelled_h200_seconds"])
+    alone = accounting.add_work({**row, "settings": {"optimizer": "adamw"}})
+    assert alone["training_flops"] == expected["training_flops"] - 8 * update
+    assert counted["modelled_h200_seconds"] == pytest.approx(alone["modelled_h200_seconds"]
+                                                             + 8 * accounting.H200_MUON_STEP_SECONDS)
 
 
 def test_validation_holds_out_the_last_training_images_in_the_test_sets_place(tmp_path, monkeypatch, capsys):
@@ -1270,7 +1332,7 @@ def test_bfloat16_only_on_a_cpu_that_runs_it_natively(cpu, monkeypatch):
     capabilities, dtype, unit = CAPABILITIES[cpu]
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"cpu_name": "Test CPU", **capabilities})
     assert common.bfloat16_unit() == unit
-    assert harness.cpu_name() == f"Test CPU ({unit or 'no bf16 unit'})"
+    assert machine.cpu_name() == f"Test CPU ({unit or 'no bf16 unit'})"
     for script in ("opt1.py", "opt2.py", *WHOLE_STEP):
         chosen, why = ALL_SCRIPTS[script].autocast_dtype(CPU)
         assert chosen == dtype and why.startswith(str(dtype).removeprefix("torch."))
@@ -1460,7 +1522,7 @@ def compiled_run(script, flags, folder):
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
     counters.clear()
-    after_each_epoch, real_record_epoch = [], harness.record_epoch
+    after_each_epoch, real_record_epoch = [], common.record_epoch
 
     def record_epoch(*args, **kwargs):
         printed = io.StringIO()
@@ -1473,7 +1535,7 @@ def compiled_run(script, flags, folder):
 
     json_path = folder / "result.json"
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(harness, "record_epoch", record_epoch)
+        patch.setattr(common, "record_epoch", record_epoch)
         # 40 test images in batches of 16: the evaluation ends on a partial batch.
         patch.setattr(sys, "argv", [script, *SMALL, "--train-size", "96", "--batch-size", "16", "--test-size", "40",
                                     *flags, "--json", str(json_path)])
@@ -1712,7 +1774,6 @@ def test_opt5_trains_every_size_on_its_one_batch_under_one_onecycle_table_sliced
         plan_epoch(plan, draw, rates)
         schedules.append((plan.rates.clone(), plan.rates.data_ptr()))
     monkeypatch.setattr(common, "ResNet10", BatchRecordingResNet10)
-    monkeypatch.setattr(harness, "training_flops_per_image", lambda size=32: 1.0)
     monkeypatch.setattr(opt5, "plan_epoch", recorded_plan_epoch)
     # 128 images: 4 steps of 32 at 16x16, at 24x24 and at 32x32, one OneCycleLR table of 12 steps, 4 rows an epoch
     monkeypatch.setattr(sys, "argv", ["opt5.py", *SMALL, "--epochs", "3", "--train-size", "128", "--batch-size", "32",
@@ -1751,7 +1812,6 @@ def test_opt5_trains_each_epoch_on_its_image_size_and_evaluates_all_test_images_
         images.clear()
     json_path, weights = tmp_path / "result.json", tmp_path / "weights.pt"
     monkeypatch.setattr(common, "ResNet10", SizeRecordingResNet10)
-    monkeypatch.setattr(harness, "training_flops_per_image", lambda size=32: 1.0)  # it would run a ResNet10 of its own
     evaluated, real_evaluate = [], opt5.evaluate
     monkeypatch.setattr(opt5, "evaluate", lambda run, test_data, size: evaluated.append(test_data) or
                         real_evaluate(run, test_data, size))
@@ -2150,11 +2210,11 @@ def test_benchmark_measures_the_chain_by_the_readmes_command_on_a_cpu(tmp_path):
     assert [cells[0].strip() for cells in table] == scripts and table[0][2].strip() == "1.00x"
     *runs, summary = [json.loads(line) for line in json_path.read_text().splitlines()]
     # each script's own --json line at its own batch size, named by the commit and the data it ran on
-    fingerprint = harness.data_fingerprint(SimpleNamespace(synthetic=False, data_dir=tmp_path / "data"))
+    fingerprint = accounting.data_fingerprint({"synthetic": False, "data_dir": tmp_path / "data"})
     assert [run["benchmark_run"] for run in runs] == [run["script"] for run in runs] == scripts
     assert [run["settings"]["batch_size"] for run in runs] == [64, 64, 128, 128, 128, 512]
     assert {(run["commit"], run["data_fingerprint"], run["device"]) for run in runs} == \
-        {(harness.git_commit(), fingerprint, "cpu")}
+        {(accounting.git_commit(), fingerprint, "cpu")}
     assert summary["benchmark"] == "chain" and [row["name"] for row in summary["rows"]] == scripts
     opt1_row = summary["rows"][1]
     assert table[1][1].strip() == f"{opt1_row['images_per_second']['all']:,.0f}"
@@ -2164,7 +2224,7 @@ def test_benchmark_measures_the_chain_by_the_readmes_command_on_a_cpu(tmp_path):
 
 
 def test_benchmark_marks_a_failed_script_runs_the_rest_and_exits_1(tmp_path):
-    env = copy_without_git(tmp_path, "benchmark.py", "baseline.py", "common.py", "harness.py")
+    env = copy_without_git(tmp_path, "benchmark.py", "baseline.py", "common.py", "machine.py", "tools/accounting.py")
     (tmp_path / "broken.py").write_text('import sys\nsys.exit("broken.py: a bad flag")\n')
     (tmp_path / "silent.py").write_text("# exits 0 with no output and no row\n")
     json_path = tmp_path / "chain.jsonl"
@@ -2607,7 +2667,7 @@ def test_plot_screen_table_groups_rows_by_seed_against_the_twenty_epoch_mean():
     assert list(rows) == ["twenty-epochs", "twelve-epochs", "shipped"]
     assert rows["twenty-epochs"][:4] == ["0, 1", "90.50 (90.00, 91.00)", "+0.00", "91.50"]
     assert rows["twelve-epochs"][:3] == ["0", "89.50 (89.50)", "-1.00"]
-    modelled = 87 * harness.modelled_h200_step_seconds(512, 32, muon=True)
+    modelled = 87 * accounting.modelled_h200_step_seconds(512, 32, muon=True)
     extra = ablation.modelled_h200_extra_view_seconds(5000, 512)
     assert rows["twenty-epochs"][4] == f"{modelled:.2f} / {modelled + extra:.2f}"
     assert plot.screen_table([screened("shipped", 0, (0.9, 0.9), {"validation": 0})]) == [], "the test set: no"
@@ -2657,7 +2717,7 @@ def test_ablation_runs_each_row_in_its_own_process_and_scores_three_ways(tmp_pat
             line["extra_view_seconds"] > line["launch_to_result_seconds"]
         # 256 test images in half-batches of 32: 8 calls of 64 images a view pair, 16 more for 2 more pairs
         assert line["modelled_h200_6_views_seconds"] == pytest.approx(line["modelled_h200_seconds"] + 16 * (
-            harness.modelled_h200_step_seconds(64, 32, muon=False) / 3))
+            accounting.modelled_h200_step_seconds(64, 32, muon=False) / 3))
         assert len(line["epochs"]) == 2 and line["epochs"][0]["test_images"] == 256
     assert result.stdout.count("row shipped: test acc") == 1 and "3 rows appended" in result.stdout
 
@@ -2899,7 +2959,7 @@ def test_plot_draws_the_figures_from_json_lines(tmp_path):
 def modelled(sizes, muon):
     """The H200 model over a plot fixture run's epochs at `sizes` (390 steps of 50,000 images each), whatever the row
     stores: plot.py recomputes it (the model itself has its own test)."""
-    return f"{sum(390 * harness.modelled_h200_step_seconds(50_000 / 390, size, muon) for size in sizes):.2f}"
+    return f"{sum(390 * accounting.modelled_h200_step_seconds(50_000 / 390, size, muon) for size in sizes):.2f}"
 
 
 def test_plot_tables_the_recipe_runs_with_their_work_and_what_scored_them(tables):
@@ -2920,7 +2980,7 @@ def test_plot_tables_the_recipes_curve_after_opt4s_reference_run_on_the_same_cpu
     # opt4 --epochs 5 on the CPU of the recipe's runs, the last run of each seed (seed 0 is in two files), not its
     # --epochs 2 or another CPU's; its work counted as opt5 counts its own
     records = [{"steps": 390, "images": 50_000, "image_size": 32}] * 5
-    work = harness.count_work([dict(record) for record in records], 0, muon=False)
+    work = accounting.count_work([dict(record) for record in records], 0, muon=False)
     assert curve[2:] == [
         f"| opt4 `--epochs 5` (reference) | 32 x5 | 0, 1 | 84.50 (85.00, 84.00) | 1950 "
         f"| {work['training_flops'] / 1e15:.2f} | {work['modelled_h200_seconds']:.2f} | 25.5 |",
@@ -3085,16 +3145,17 @@ def test_plot_reads_older_rows_by_todays_names_and_diffs_a_script_under_its_name
     if shutil.which("git") is None:
         pytest.skip("no git to diff a script against its commit")
     # A commit of the older numbering (opt3.py the captured step, opt4.py the recipe); today both moved up by one,
-    # the captured step's report call changed
+    # the captured step's report call changed, and a module it called then is gone, its function now common's
     git = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com"]
     subprocess.run([*git, "init", "-q"], cwd=tmp_path, check=True)
-    (tmp_path / "opt3.py").write_text("step = 'captured'\nharness.report(run)\n")
+    (tmp_path / "opt3.py").write_text("import lab_module_since_dissolved\nstep = 'captured'\n"
+                                      "lab_module_since_dissolved.check(run)\nlab_module_since_dissolved.report(run)\n")
     (tmp_path / "opt4.py").write_text("step = 'recipe'\n")
     subprocess.run([*git, "add", "opt3.py", "opt4.py"], cwd=tmp_path, check=True)
     subprocess.run([*git, "commit", "-q", "-m", "older numbering"], cwd=tmp_path, check=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, capture_output=True,
                             text=True, check=True).stdout.strip()
-    (tmp_path / "opt4.py").write_text("step = 'captured'\nharness.report(run, extra={})\n")
+    (tmp_path / "opt4.py").write_text("step = 'captured'\ncommon.check(run)\ncommon.report(run, extra={})\n")
     (tmp_path / "opt5.py").write_text("step = 'recipe'\n")
     (tmp_path / "tools").mkdir()  # changed_since reads git and the scripts in the folder above plot.py's
     shutil.copy(ROOT / "tools" / "plot.py", tmp_path / "tools" / "plot.py")
@@ -3103,6 +3164,8 @@ def test_plot_reads_older_rows_by_todays_names_and_diffs_a_script_under_its_name
     spec.loader.exec_module(plot_there)
     assert plot_there.changed_since(commit, {"opt4.py": "opt3.py", "opt5.py": "opt4.py"}) == []
     assert plot_there.changed_since(commit, {"opt4.py": "opt4.py"}) == ["opt4.py"], "the same name then: the recipe"
+    assert plot_there.as_today(["import os", "import lab_module_since_dissolved", "os.x(lab_module_since_dissolved.y)"]) \
+        == ["import os", "os.x(common.y)"], "a module still there (os) is not read as common"
     assert plot_there.changed_since("0000000", {"opt4.py": "opt3.py"}) is None
 
     # Runs from two commits: each script against its own run's commit
@@ -3168,7 +3231,7 @@ def test_readme_chain_table_is_the_gpus_rows_and_says_whose_code_changed_since()
         assert bought in " ".join(readme.split()), bought
     # The recipe on the H200: every run of it at its defaults, as a mean and spread
     recipe = [run for run in json_lines(f"h200-{commit['opt5.py']}/chain.jsonl") if run["script"] == "opt5.py"
-              and all(run["settings"].get(name) == value for name, value in opt5.RECIPE.items())]
+              and all(run["settings"].get(name) == value for name, value in plot.RECIPE.items())]
     accuracies, seconds = ([100 * run["final_test_accuracy"] for run in recipe],
                            [run["launch_to_result_seconds"] for run in recipe])
     for said in (f"{statistics.mean(accuracies):.2f} ± {statistics.stdev(accuracies):.2f} % on the H200 (n = "
@@ -3423,7 +3486,7 @@ def test_a_rank_that_hangs_fails_its_test_in_time_and_is_killed(tmp_path):
 
 
 @pytest.mark.floor
-@pytest.mark.skipif(harness.torch_version() >= (2, 8), reason="the hang at exit was seen on torch 2.6 only")
+@pytest.mark.skipif(machine.torch_version() >= (2, 8), reason="the hang at exit was seen on torch 2.6 only")
 def test_opt6_compiled_ends(tmp_path):
     # Each rank used to destroy its process group as soon as it was done: rank 1 at once, rank 0 after its report.
     # On torch 2.6, compiled, rank 0 then hung in Gloo's destructor in 2 of 6 runs, and torchrun waited for ever.
@@ -3461,15 +3524,15 @@ def test_opt6_without_torchrun_on_several_gpus_points_to_torchrun(monkeypatch, c
     hint = "4 GPUs here, and one process uses one: to use them all, start torchrun --standalone --nproc_per_node=4 " \
            "opt6.py ...\n"
     for device, world_size, says in ((CPU, 1, ""), (cuda, 2, ""), (cuda, 1, hint)):
-        harness.point_to_torchrun(device, world_size)
+        opt6.point_to_torchrun(device, world_size)
         assert capsys.readouterr().out == says, (device, world_size)
 
     class SettingsLine(Exception):
         pass
 
     # opt6's main says it once the device is known, before the settings line (where this test stops it)
-    monkeypatch.setattr(harness, "pick_device", lambda args: cuda)
-    monkeypatch.setattr(harness, "print_settings", lambda *args: (_ for _ in ()).throw(SettingsLine()))
+    monkeypatch.setattr(common, "pick_device", lambda args: cuda)
+    monkeypatch.setattr(common, "print_settings", lambda *args: (_ for _ in ()).throw(SettingsLine()))
     with pytest.raises(SettingsLine):
         opt6.main()
     assert capsys.readouterr().out == hint
@@ -3536,10 +3599,10 @@ def test_under_torchrun_only_rank_0_prints_a_verdict_and_a_fatal_one_ends_every_
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     for rank, prints in (("0", True), ("1", False)):
         monkeypatch.setenv("RANK", rank)
-        assert harness.pick_device(SimpleNamespace(device="auto", compile=False)) == CPU
+        assert common.pick_device(SimpleNamespace(device="auto", compile=False)) == CPU
         assert ("torch sees no CUDA GPU: running on the CPU" in capsys.readouterr().out) == prints, rank
         with pytest.raises(SystemExit) as exit_:
-            harness.pick_device(SimpleNamespace(device="cuda", compile=False))
+            common.pick_device(SimpleNamespace(device="cuda", compile=False))
         assert exit_.value.code == 2 and "--device cuda: torch sees no CUDA GPU" in capsys.readouterr().err
 
 
@@ -3567,16 +3630,16 @@ def test_a_gpu_captures_the_step_uncompiled_and_a_cpu_runs_it_uncompiled(script,
 
 
 def test_ddp_buffer_flag_is_named_as_this_torch_names_it(monkeypatch):
-    keyword = harness.broadcast_buffers_keyword()
+    keyword = opt6.broadcast_buffers_keyword()
     assert keyword in inspect.signature(opt6.DistributedDataParallel).parameters
-    expected = "forward_sync_buffers" if harness.torch_version() >= (2, 13) else "broadcast_buffers"
+    expected = "forward_sync_buffers" if machine.torch_version() >= (2, 13) else "broadcast_buffers"
     assert keyword == expected
 
     def ddp_before_2_13(module, device_ids=None, broadcast_buffers=True, gradient_as_bucket_view=False):
         pass
 
-    monkeypatch.setattr(harness, "DistributedDataParallel", ddp_before_2_13)
-    assert harness.broadcast_buffers_keyword() == "broadcast_buffers"
+    monkeypatch.setattr(opt6, "DistributedDataParallel", ddp_before_2_13)
+    assert opt6.broadcast_buffers_keyword() == "broadcast_buffers"
 
 
 def free_port():
@@ -3600,10 +3663,10 @@ DATA_TURN = """
 import json, os, sys, time
 sys.path.insert(0, {root!r})
 import torch.distributed as dist
-import harness
+import opt6
 
 dist.init_process_group("gloo")
-with harness.rank_zero_first(dist.get_world_size()):
+with opt6.rank_zero_first(dist.get_world_size()):
     start = time.time()
     time.sleep(0.5)  # a download
     end = time.time()
@@ -3662,7 +3725,7 @@ def test_opt6_rank_shares_are_disjoint_and_cover_the_epoch():
 
 
 INSTRUMENTED_RANK = """
-import contextlib, hashlib, json, os, sys, time
+import contextlib, hashlib, inspect, json, os, sys, time
 sys.path.insert(0, {root!r})
 import torch, torch.distributed as dist, torch.nn as nn
 import common, opt6
@@ -3719,6 +3782,9 @@ class CountingDDP(RealDDP):  # a subclass: opt6's step asks isinstance(model, Di
             return future
 
         self.register_comm_hook(None, hook)
+
+
+CountingDDP.__signature__ = inspect.signature(RealDDP)  # DDP's keywords, as opt6's broadcast_buffers_keyword reads them
 
 
 def normalize(images, statistics):
@@ -3816,7 +3882,7 @@ def test_opt6_wraps_the_model_with_gradients_in_ddps_buckets_and_no_buffer_broad
     # The BatchNorm statistics are averaged once per evaluation instead (the ranks' checksums cover the buffers)
     for run in accumulating_ddp_runs.values():
         for rank in run.ranks:
-            assert rank["ddp"] == {"gradient_as_bucket_view": True, harness.broadcast_buffers_keyword(): False}
+            assert rank["ddp"] == {"gradient_as_bucket_view": True, opt6.broadcast_buffers_keyword(): False}
 
 
 def test_opt6_ranks_train_on_disjoint_shares_that_cover_the_epoch(accumulating_ddp_runs):
@@ -3844,7 +3910,7 @@ def test_opt6_ranks_evaluate_disjoint_slices_that_cover_the_test_set_and_score_a
 
 
 def test_opt6_keeps_its_last_barriers_handle_until_its_process_group_is_destroyed(accumulating_ddp_runs):
-    # The hang harness.leave_process_group keeps away, made to happen every time (torch 2.6, Gloo, 2 ranks, not project code): a
+    # The hang opt6.leave_process_group keeps away, made to happen every time (torch 2.6, Gloo, 2 ranks, not project code): a
     # rank starts an all-reduce, drops its tensor, starts a barrier and drops the barrier's handle, then destroys the
     # process group: 5 hangs in 5 runs, gdb showing the main thread in ~ProcessGroupGloo joining a worker thread
     # that waits for the GIL in ~TensorImpl; with the handle kept past destroy_process_group, 4 ends in 4
@@ -4034,7 +4100,7 @@ def test_cuda_a_capture_that_fails_runs_the_step_uncaptured_with_no_step_lost_or
 def test_cuda_counting_the_update_of_a_captured_steps_optimizer_leaves_the_run_untouched():
     weight = torch.zeros(8, 8, device="cuda", requires_grad=True)
     optimizer = opt4.adamw([weight], 0.01, torch.device("cuda"))
-    assert harness.update_flops(optimizer) == 0  # AdamW's update: elementwise ops, no matmul
+    assert accounting.update_flops(optimizer) == 0  # AdamW's update: elementwise ops, no matmul
     assert weight.grad is None and not optimizer.state  # the run's optimizer and weights untouched
 
 

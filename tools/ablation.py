@@ -33,9 +33,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the chain, common.py and harness.py
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]  # chain, tools
+import accounting  # noqa: E402
 import common  # noqa: E402
-import harness  # noqa: E402
 import opt5  # noqa: E402
 
 
@@ -402,10 +402,10 @@ def shifted(images, rows, columns):
 
 def modelled_h200_extra_view_seconds(images, batch_size, side=32):
     """The 4 views beyond opt5's 2 on an H200, modelled: two more calls of a batch of `batch_size` (half of them
-    mirrors) per half-batch of `images`, each a third of a training step of that batch by harness's step model (a
+    mirrors) per half-batch of `images`, each a third of a training step of that batch by accounting's step model (a
     forward pass is about a third of forward and backward; its fixed part too, not measured)."""
     calls = 2 * -(-images // max(1, batch_size // 2))
-    fixed, per_pixel = harness.h200_step_fit()
+    fixed, per_pixel = accounting.h200_step_fit()
     return calls * (fixed + per_pixel * batch_size * side ** 2) / 3
 
 
@@ -446,7 +446,7 @@ def score(run, test_data):
 def parse_args():
     """ablation.py's own flags, and the rest: opt5.py's flags, which opt5's parser checks here, before any row."""
     # allow_abbrev=False: opt5's --seed must reach opt5, not be read as an abbreviation of --seeds
-    parser = harness.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = common.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                     allow_abbrev=False)
     parser.add_argument("--rows", nargs="+", choices=ROW_NAMES, default=ROW_NAMES, metavar="ROW",
                         help=f"the rows to run, in this order, from: {' '.join(ROW_NAMES)} (default: all)")
@@ -501,6 +501,7 @@ def keep_last_evaluation(timer=None):
 
 def run_row(name, opt5_flags, json_path):
     """Apply the row's technique in this process, run opt5's main(), score the final weights, append one line."""
+    commit = accounting.git_commit()  # read before the run: the row names the code it started with
     _, row_flags, techniques, change = ROWS[ROW_NAMES.index(name)]
     for technique in techniques:
         technique(setattr)
@@ -508,7 +509,7 @@ def run_row(name, opt5_flags, json_path):
         report_path = Path(folder) / "opt5.jsonl"
         sys.argv = [sys.argv[0], *opt5_flags, *row_flags, "--json", str(report_path)]  # the row's flags win
         opt5.main()
-        report = json.loads(report_path.read_text())
+        report = accounting.add_provenance(accounting.add_work(json.loads(report_path.read_text())), commit)
     run, test_data = last_evaluation
     if hasattr(run, "average"):
         run.model.load_state_dict(run.average, strict=False)

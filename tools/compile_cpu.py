@@ -21,19 +21,18 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
-import harness  # noqa: E402
 import opt4  # noqa: E402
 
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
-    add("--batch-size", type=harness.positive_int, default=128, help="images a step, opt4's default (default: 128)")
-    add("--steps-per-block", type=harness.positive_int, default=8,
+    add("--batch-size", type=common.positive_int, default=128, help="images a step, opt4's default (default: 128)")
+    add("--steps-per-block", type=common.positive_int, default=8,
         help="training steps in each timed block, one epoch of as many batches (default: 8)")
-    add("--blocks", type=harness.positive_int, default=6,
+    add("--blocks", type=common.positive_int, default=6,
         help="timed blocks each way after the first, whose median is the steady figure (default: 6)")
-    add("--evaluated", type=harness.positive_int, default=2000,
+    add("--evaluated", type=common.positive_int, default=2000,
         help="random test images each timed evaluation scores (default: 2000)")
     return parser.parse_args()
 
@@ -62,7 +61,7 @@ def build(compiled):
                           plan=opt4.empty_plan((images, labels), statistics, common.CROP_PADDING, STEPS_PER_BLOCK,
                                                batch_size))
     criterion = nn.CrossEntropyLoss(label_smoothing=0.1)
-    return run, opt4.train_step(model, criterion, optimizers, run.plan, amp_dtype)
+    return run, opt4.make_train_step(model, criterion, optimizers, run.plan, amp_dtype)
 
 
 def timed(function):

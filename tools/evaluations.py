@@ -22,16 +22,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
-import harness  # noqa: E402
 import opt5  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("mode", choices=("compiled", "eager"), help="the model compiled, or opt5's evaluate as it is")
-parser.add_argument("--monitor-size", type=harness.positive_int, default=1000,
+parser.add_argument("--monitor-size", type=common.positive_int, default=1000,
                     help="test images each evaluation of epochs 1-19 scores, opt5's default (default: 1000)")
-parser.add_argument("--test-size", type=harness.positive_int, default=10000,
+parser.add_argument("--test-size", type=common.positive_int, default=10000,
                     help="test images the last evaluation scores, CIFAR-10's test set (default: 10000)")
-parser.add_argument("--batch-size", type=harness.positive_int, default=512,
+parser.add_argument("--batch-size", type=common.positive_int, default=512,
                     help="opt5's --batch-size; its evaluate takes half that and each mirror (default: 512)")
 args = parser.parse_args()
 mode = args.mode

@@ -13,6 +13,7 @@ training scripts do not).
 """
 import argparse
 import difflib
+import importlib.util
 import json
 import re
 import shlex
@@ -21,12 +22,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-# the chain, common.py and harness.py; and ablation.py beside this file, however this file is run
+# the chain and common.py; and ablation.py and accounting.py beside this file, however this file is run
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 import ablation  # noqa: E402
+import accounting  # noqa: E402
 import benchmark  # noqa: E402
 import common  # noqa: E402
-import harness  # noqa: E402
 
 CHAIN = ["baseline.py", "opt1.py", "opt2.py", "opt3.py", "opt4.py"]
 CONVERGENCE = ["opt4.py", "opt5.py"]  # the step opt5 takes, and the rung it is measured against
@@ -42,7 +43,7 @@ GPU_RUNS_BEFORE = [f"results/h200-410ebec/{name}.jsonl" for name in ("chain-cold
 
 
 def parse_args():
-    parser = harness.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = common.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpu", nargs="+", default=GPU_RUNS,
                         help=f"the scripts' --json lines of real-data runs on a GPU, newest first: a script's run "
                              f"with the same flags in a later file is left out (default: {' '.join(GPU_RUNS)})")
@@ -79,7 +80,7 @@ def parse_args():
     parser.add_argument("--tables", action="store_true", help="print markdown tables instead of drawing (default: off)")
     parser.add_argument("--step-table", metavar="PATH",
                         help="print the median ms a step at each batch and image size in PATH's rows (a GPU's, to fit "
-                             "harness.H200_MEASURED_STEPS to), and a fit, instead of drawing (default: off)")
+                             "accounting.H200_MEASURED_STEPS to), and a fit, instead of drawing (default: off)")
     return parser.parse_args()
 
 
@@ -142,13 +143,25 @@ def gpu_table(runs):
 
 
 # The call that writes a run's report: a script changed in it alone trains as it did
-REPORT_CALL = re.compile(r"harness\.report\(|^\s+extra=\{")
+REPORT_CALL = re.compile(r"common\.report\(|^\s+extra=\{")
+
+
+def as_today(lines):
+    """A script's lines at an older commit, a module of the project since dissolved into common.py read as common:
+    its import dropped, its functions called as common's (the training is the same)."""
+    imported = re.findall(r"^import (\w+)$", "\n".join(lines), flags=re.MULTILINE)
+    gone = {name for name in imported if importlib.util.find_spec(name) is None}
+    if not gone:
+        return lines
+    dissolved = re.compile(rf"\b({'|'.join(gone)})\.")
+    return [dissolved.sub("common.", line) for line in lines if line.removeprefix("import ") not in gone]
 
 
 def changed_since(commit, names):
     """The scripts whose code today differs from `commit`'s in more than their report call; `names` gives each
     (today's name) its name at that commit, the one its rows ran under (`scripts_then`). None where git, the commit or
-    the file then is not at hand (common.py and harness.py not counted: they hold no optimization)."""
+    the file then is not at hand (common.py and machine.py not counted: they hold no optimization; as_today reads a
+    module since dissolved into common.py as common)."""
     changed, root = [], Path(__file__).resolve().parent.parent
     for script, then in names.items():
         try:  # git show, not git diff: the file may have had another name then
@@ -158,7 +171,7 @@ def changed_since(commit, names):
             return None
         if old.returncode != 0:
             return None
-        before, now = old.stdout.splitlines(), (root / script).read_text().splitlines()
+        before, now = as_today(old.stdout.splitlines()), (root / script).read_text().splitlines()
         matcher = difflib.SequenceMatcher(None, before, now, autojunk=False)
         lines = [line for tag, start, end, new_start, new_end in matcher.get_opcodes() if tag != "equal"
                  for line in before[start:end] + now[new_start:new_end]]
@@ -250,7 +263,7 @@ def draw_gpu(runs, out, words):
     figure.savefig(out)
 
 
-# A row without "chain" (harness.CHAIN_NUMBERING) names the scripts as they were before opt3 was split in two
+# A row without "chain" (common.CHAIN_NUMBERING) names the scripts as they were before opt3 was split in two
 # (results/README.md): today's opt4 was opt3.py, the recipe opt4.py, DDP opt5.py
 BEFORE_THE_SPLIT = {"opt3.py": "opt4.py", "opt4.py": "opt5.py", "opt5.py": "opt6.py"}
 # and before e8e4e0a, committed at this time (a row's "date" is its machine's clock), opt4.py was the DDP script
@@ -268,7 +281,9 @@ def todays_name(script, row):
 
 def read_row(row):
     """A --json line with the scripts it names by today's names: its script (the one it ran kept as "ran_as"), and
-    the words "optN" in an ablation row's change and a benchmark summary's rows. The file is never rewritten."""
+    the words "optN" in an ablation row's change and a benchmark summary's rows; a script's row without its work
+    counted (from chain 2's report on, the scripts count none) gets it from accounting.add_work. The file is never
+    rewritten."""
     def today(words):
         return re.sub(r"\bopt\d\b", lambda word: todays_name(f"{word[0]}.py", row).removesuffix(".py"), words)
 
@@ -279,16 +294,18 @@ def read_row(row):
         row["change"] = today(row["change"])
     if "rows" in row:
         row["rows"] = [{**summary_row, "name": today(summary_row["name"])} for summary_row in row["rows"]]
+    if "epochs" in row and "settings" in row and "training_flops" not in row:
+        row = accounting.add_work(row)
     if "modelled_h200_seconds" in row:
         row.update(modelled_today(row))
     return row
 
 
 def modelled_today(row):
-    """A row's epochs and its modelled H200 seconds by today's model (harness.modelled_h200_step_seconds), whichever
+    """A row's epochs and its modelled H200 seconds by today's model (accounting.modelled_h200_step_seconds), whichever
     model wrote it: rows of every date compare on one rule."""
     muon = row["settings"].get("optimizer") == "muon"  # rows from before --optimizer ran AdamW
-    epochs = [dict(record, modelled_h200_seconds=record["steps"] * harness.modelled_h200_step_seconds(
+    epochs = [dict(record, modelled_h200_seconds=record["steps"] * accounting.modelled_h200_step_seconds(
         record["images"] / record["steps"], record.get("image_size") or 32, muon)) for record in row["epochs"]]
     return {"epochs": epochs, "modelled_h200_seconds": sum(record["modelled_h200_seconds"] for record in epochs)}
 
@@ -356,8 +373,8 @@ def markdown_tables(runs, ladder, convergence, curve, seeds, ablation, muon=()):
               "|---|---|---|---|---|---|---|"]
     for row in ladder["rows"]:
         lines.append(f"| {row['name']} | {row['images_per_second']:.0f} | {row['ms_per_step']:.1f} "
-                     f"| {row['warmup_seconds']:.1f} | {harness.shown(row['peak_memory_gib'], '.2f')} "
-                     f"| {row['tflops']:.3f} | {harness.shown(row['percent_of_bf16_peak'], '.0f')} |")
+                     f"| {row['warmup_seconds']:.1f} | {accounting.shown(row['peak_memory_gib'], '.2f')} "
+                     f"| {row['tflops']:.3f} | {accounting.shown(row['percent_of_bf16_peak'], '.0f')} |")
     opt4_minutes = [run["launch_to_result_seconds"] / 60 for run in convergence if run["script"] == "opt4.py"]
     lines += ["", *timed_runs_table(convergence, statistics.mean(opt4_minutes) if opt4_minutes else None)]
     lines += ["", *timed_runs_table(curve, opt4_default_minutes(curve)), "", *curve_summary(curve),
@@ -414,7 +431,7 @@ def timed_runs_table(runs, reference_minutes):
     for run in runs:
         sizes = ", ".join(str(record.get("image_size", 32)) for record in run["epochs"])
         minutes = run["launch_to_result_seconds"] / 60
-        share = harness.shown(reference_minutes and minutes / reference_minutes, ".0%")
+        share = accounting.shown(reference_minutes and minutes / reference_minutes, ".0%")
         lines.append(f"| `{run['script']}` | `{flags(run)}` | {sizes} | {100 * run['final_test_accuracy']:.1f} "
                      f"| {minutes:.1f} | {share} |")
     return lines
@@ -429,7 +446,7 @@ def size_runs(run):
 
 def recipe_table(runs):
     """Markdown lines: each run of the recipe work with its flags, sizes, steps, FLOPs and modelled H200 seconds
-    (harness.count_work), what it was scored on and how long it took on its CPU."""
+    (accounting.count_work), what it was scored on and how long it took on its CPU."""
     lines = ["| flags | image sizes x epochs | steps | training PFLOP | modelled H200 s | scored on | acc % "
              "| launch to result min (CPU) |", "|---|---|---|---|---|---|---|---|"]
     for run in runs:
@@ -516,7 +533,7 @@ def recipe_curve(recipe, others):
                          if run["script"] == "opt4.py" and run["cpu"] == cpu and on_the_test_set(run)
                          and len(run["epochs"]) == DEFAULT_EPOCHS)
     for run in opt4:
-        run.update(harness.count_work(run["epochs"], 0, muon=False))  # on the copies: AdamW's update counts no matmul
+        run.update(accounting.count_work(run["epochs"], 0, muon=False))  # on the copies: AdamW's update counts no matmul
     lines = ["| run | image sizes x epochs | seeds | test acc %, mean (each) | steps | training PFLOP "
              "| modelled H200 s | launch to result min (CPU) |", "|---" * 8 + "|"]
     if opt4:
@@ -573,7 +590,7 @@ def step_table_lines(rows):
     table = step_table(rows)
     if len(table) < 2:
         return [f"{len(table)} batch and size points with a steady epoch: a fit needs 2"]
-    fixed, per_pixel = harness.h200_step_fit(tuple(table))
+    fixed, per_pixel = accounting.h200_step_fit(tuple(table))
     lines = [f"Fit: {1000 * fixed:.3f} ms + {1e9 * per_pixel:.2f} ns per image x pixel a step", "",
              "| images a step | px | median ms | fitted ms | residual ms |", "|---|---|---|---|---|"]
     for images, side, ms in table:
@@ -716,29 +733,17 @@ def step_costs(runs):
     sizes = sorted(costs["muon"].keys() & costs["adamw"].keys())
     compiling = {size for size in sizes if not all(any(later for later, _ in epochs[name][size]) for name in epochs)}
     batch = 128
-    training = {size: harness.training_flops_per_image() * batch * (size / 32) ** 2 / 1e9 for size in sizes}
+    training = {size: accounting.training_flops_per_image() * batch * (size / 32) ** 2 / 1e9 for size in sizes}
     measured = "; ".join(f"{size}x{size}: {costs['adamw'][size]:.0f} and {costs['muon'][size]:.0f} ms "
                          f"(Muon's update {1 - costs['adamw'][size] / costs['muon'][size]:.0%} of its step"
                          f"{'; an epoch that includes compiling' if size in compiling else ''})" for size in sizes)
     flops = ", ".join(f"{training[size]:.0f} at {size}x{size}" for size in sizes)
     steps = ns_steps(next(run for run in runs if variant(run) == "opt5.py muon"))
     return [f"- ms per step with AdamW and with Muon, batch {batch}: {measured}.",
-            f"- Muon's update with {steps} Newton-Schulz steps: {muon_update_flops(steps) / 1e9:.1f} GFLOP per step "
+            f"- Muon's update with {steps} Newton-Schulz steps: {accounting.muon_update_flops(steps) / 1e9:.1f} GFLOP per step "
             f"(its matmuls, one filter at a time as today's opt5 takes them, counted by torch), "
             f"against the training step's {flops} GFLOP (forward and backward, "
             f"batch {batch})."]
-
-
-def muon_update_flops(steps):
-    """FLOPs of one step of opt5's Muon on ResNet10 with `steps` Newton-Schulz steps, counted by torch's
-    FlopCounterMode."""
-    import torch
-    import opt5
-    parameters, cpu = list(common.ResNet10().parameters()), torch.device("cpu")
-    others = opt5.adamw([parameter for parameter in parameters if parameter.ndim != 4], 1e-3, cpu)
-    muon = opt5.Muon([parameter for parameter in parameters if parameter.ndim == 4], torch.tensor(1e-3),
-                     dtype=torch.float32, steps=steps)
-    return harness.update_flops(muon) + harness.update_flops(others)  # opt5's two optimizers, as harness.report
 
 
 def opt4_default_minutes(runs):

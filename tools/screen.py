@@ -60,11 +60,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-# the chain, common.py and harness.py; and ablation.py beside this file, however this file is run
+# the chain and common.py; and ablation.py beside this file, however this file is run
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 import ablation  # noqa: E402
 import common  # noqa: E402
-import harness  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent  # tools/, beside ablation.py
 ABLATION = ROOT / "ablation.py"
@@ -370,7 +369,7 @@ def run_stage(runs, args, opt5_flags, longest):
     whether the deadline stopped the stage, the runs that failed)."""
     failed = []
     for number, (name, seed, validation) in enumerate(runs, 1):
-        elapsed = harness.seconds_since_launch()
+        elapsed = common.seconds_since_launch()
         estimate = longest or FIRST_RUN_ESTIMATE_SECONDS
         if elapsed + estimate > args.deadline:
             skipped = ", ".join(f"{name} seed {seed}" for name, seed, _ in runs[number - 1:])
@@ -381,7 +380,7 @@ def run_stage(runs, args, opt5_flags, longest):
         print(f"\n== screen: {name} seed {seed} on {where} ({number}/{len(runs)} of the stage) at {elapsed:.0f} s, "
               f"{args.deadline - elapsed:.0f} s left", flush=True)
         code = run_one(run_command(name, seed, validation, args, opt5_flags), args.deadline - elapsed)
-        longest = max(longest or 0, harness.seconds_since_launch() - elapsed)
+        longest = max(longest or 0, common.seconds_since_launch() - elapsed)
         if code is None:
             skipped = ", ".join(f"{name} seed {seed}" for name, seed, _ in runs[number:])
             print(f"\nscreen: deadline: {name} seed {seed} stopped at {args.deadline:.0f} s, no line written; skipped "
@@ -427,7 +426,7 @@ def add_rule_flags(parser):
                         help=f"ablation.py's time rows (default: {' '.join(TIME_ROWS)})")
     parser.add_argument("--bundles", nargs="*", default=BUNDLE_ROWS, metavar="ROW",
                         help=f"ablation.py's bundle rows (default: {' '.join(BUNDLE_ROWS)})")
-    parser.add_argument("--recipe-mean", type=harness.positive_float, default=RECIPE_TEST_MEAN, metavar="PERCENT",
+    parser.add_argument("--recipe-mean", type=common.positive_float, default=RECIPE_TEST_MEAN, metavar="PERCENT",
                         help=f"the recipe's test-set mean the bundles are adopted against (default: "
                              f"{RECIPE_TEST_MEAN}, five H200 runs at 4faed98)")
     parser.add_argument("--recipe-changed", action="store_true",
@@ -438,16 +437,16 @@ def add_rule_flags(parser):
 
 def parse_args():
     """The command and its flags; for `run`, the rest are opt5.py's flags, which opt5's parser checks here."""
-    parser = harness.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = common.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                     allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True, metavar="{run,decide}")
     run = commands.add_parser("run", allow_abbrev=False, help="run the screen (flags it does not know go to opt5.py)",
                               description="run the screen; flags not listed here go to opt5.py in every run")
     run.add_argument("--json", metavar="PATH", required=True, help="append ablation.py's line of every run here")
-    run.add_argument("--deadline", type=harness.positive_float, default=DEADLINE_SECONDS, metavar="SECONDS",
+    run.add_argument("--deadline", type=common.positive_float, default=DEADLINE_SECONDS, metavar="SECONDS",
                      help=f"start no run that would end later than this many seconds after launch "
                           f"(default: {DEADLINE_SECONDS})")
-    run.add_argument("--validation", type=harness.positive_int, default=VALIDATION, metavar="N",
+    run.add_argument("--validation", type=common.positive_int, default=VALIDATION, metavar="N",
                      help=f"stage 1's held-out training images (default: {VALIDATION})")
     run.add_argument("--test-seeds", nargs="+", type=int, default=TEST_SEEDS, metavar="SEED",
                      help=f"stage 2's seeds on the test set; adoption needs {ADOPTION_SEEDS} "

@@ -21,7 +21,8 @@ of the run); elsewhere it is the device's clock, common.now(device) (on a CPU, t
 Every flag not listed below is opt5.py's (see `python opt5.py --help`) and goes to every run. It prints each run's
 seconds and test accuracy, then their mean and standard deviation (statistics.stdev, n - 1; none for one run), min
 and max. With --json, one line per timed run: opt5's own --json row (its launch_to_result_seconds still counts from
-this process's start, earlier runs included) with "clock": "warm" and the run's warm seconds, then one summary line.
+this process's start, earlier runs included) with what tools/accounting.py adds (commit, data fingerprint, FLOPs),
+"clock": "warm" and the run's warm seconds, then one summary line.
 """
 import argparse
 import contextlib
@@ -38,17 +39,17 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]  # chain, tools
 import ablation  # noqa: E402
+import accounting  # noqa: E402
 import common  # noqa: E402
-import harness  # noqa: E402
 import opt5  # noqa: E402
 
 
 def parse_args(argv=None):
     """warm_clock.py's own flags, and the rest: opt5.py's, which opt5's parser checks here, before any run."""
     # allow_abbrev=False: opt5's flags must reach opt5, not be read as abbreviations of these
-    parser = harness.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = common.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                     allow_abbrev=False)
-    parser.add_argument("--runs", type=harness.positive_int, default=5,
+    parser.add_argument("--runs", type=common.positive_int, default=5,
                         help="timed runs, after the one untimed warm-up run (default: 5)")
     parser.add_argument("--seed", type=int, default=0,
                         help="the first timed run's seed (and the warm-up's); run k has seed + k - 1 (default: 0)")
@@ -155,6 +156,7 @@ def summary_row(rows, args, command):
 
 def main(argv=None):
     args, opt5_flags = parse_args(argv)
+    commit = accounting.git_commit()  # read before any run: the rows name the code they started with
     given = sys.argv[1:] if argv is None else list(argv)
     command = shlex.join(["python", "tools/warm_clock.py", *given])
     print(f"== warm-up: seed {args.seed}, untimed, not reported", flush=True)
@@ -164,6 +166,7 @@ def main(argv=None):
         seed = args.seed + number - 1
         print(f"\n== warm run {number}/{args.runs}: seed {seed}", flush=True)
         report, clock = timed_run(opt5_flags, seed)
+        report = accounting.add_provenance(accounting.add_work(report), commit)
         rows.append({**report, "clock": "warm", **clock, "warm_run": number, "warm_runs": args.runs,
                      "warmup_seed": args.seed, "command": command})
         if args.json:
