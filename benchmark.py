@@ -327,7 +327,7 @@ def seeds_said(seeds):
 
 def main():
     args = parse_args()
-    commit = accounting.git_commit()  # read before any run: the rows name the code they started with
+    commit = accounting.commit_at_start()
     runs, seeds = runs_to_compare(args), round_seeds(args)
     results, failures = {name: [] for name, _, _ in runs}, {}
     peaks = {torch.bfloat16: [], torch.float32: []}

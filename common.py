@@ -10,6 +10,8 @@ import json
 import math
 import os
 import pickle
+import platform
+import re
 import shlex
 import sys
 import time
@@ -23,7 +25,6 @@ import torch.nn.functional as F
 from PIL import Image
 
 import machine
-from machine import bfloat16_unit, cpu_name  # noqa: F401 (opt1 on read which bfloat16 unit a CPU has)
 
 try:
     import resource  # Unix only: peak memory of this process
@@ -107,9 +108,8 @@ def build_parser(description, batch_size, lr, epochs=5):
     add("--test-size", type=positive_int, default=None,
         help="evaluate on the first N test images only (default: all 10,000)")
     add("--validation", metavar="N", type=non_negative_int, default=0,
-        help="hold out the last N training images and score on them instead of the test set, to choose settings "
-             "without looking at it; --train-size and --test-size then cut the rest and the held-out images "
-             "(default: 0, off)")
+        help="score on the last N training images, held out, instead of the test set, to choose settings without "
+             "looking at it; --train-size and --test-size then cut the rest and those (default: 0, off)")
     add("--json", metavar="PATH", default=None,
         help="append one JSON line with the settings and every reported figure (default: off)")
     add("--save", metavar="PATH", default=None, help="save the final weights (a state_dict) here (default: off)")
@@ -137,9 +137,8 @@ def print_settings(script, device, args):
 # ------------------------------------------------------------------------------------------- device
 
 def pick_device(args):
-    """torch.device for --device, once machine.py's checks, each one line before any data loads, say it runs here:
-    a problem ends the run (exit 2); auto falls back to the CPU saying why; under torchrun the device is GPU
-    LOCAL_RANK; where --compile cannot work it says why and turns it off. Under torchrun rank 0 alone prints."""
+    """torch.device for --device once machine.py's checks (one line each, before data loads) pass: a problem ends the
+    run (exit 2); auto falls back to the CPU saying why; under torchrun GPU LOCAL_RANK; --compile off where it can't."""
     fail_on(machine.torch_too_old())
     name = args.device
     if name in ("auto", "cuda"):
@@ -264,8 +263,7 @@ class ImageArrayDataset(torch.utils.data.Dataset):
 
 
 def synthetic_cifar10(size, train, transform, noise=0.45):
-    """A learnable CIFAR-shaped dataset: each class is a fixed random image (one seed for both splits), each sample
-    adds noise."""
+    """A learnable CIFAR-shaped dataset: each class a fixed random image (one seed, both splits), each sample noisy."""
     class_images = torch.rand(10, 32, 32, 3, generator=torch.Generator().manual_seed(0))
     generator = torch.Generator().manual_seed(1 if train else 2)
     targets = torch.randint(0, 10, (size,), generator=generator)
@@ -363,6 +361,29 @@ def now(device):
     return time.perf_counter()
 
 
+def cpu_capabilities():
+    """torch.cpu.get_capabilities(); on a torch without it (2.6), the keys read here, from torch and /proc/cpuinfo."""
+    if hasattr(torch.cpu, "get_capabilities"):
+        return torch.cpu.get_capabilities()
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""  # Linux: Arm's features too
+    return {"cpu_name": next(iter(re.findall(r"model name\s*:\s*(.*)", cpuinfo)), ""),
+            "amx_bf16": torch.cpu._is_amx_tile_supported(), "avx512_bf16": torch.cpu._is_avx512_bf16_supported(),
+            "sve_bf16": "svebf16" in cpuinfo.split(), "bf16": "bf16" in cpuinfo.split()}
+
+
+def bfloat16_unit():
+    """The name of this CPU's bfloat16 hardware, or None where it has none and oneDNN would emulate bfloat16."""
+    capabilities = cpu_capabilities()
+    units = [("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX-512 BF16"), ("sve_bf16", "SVE BF16"), ("bf16", "Arm BF16")]
+    return next((name for key, name in units if capabilities.get(key)), None)
+
+
+def cpu_name():
+    """The CPU's model name and its bfloat16 unit, on any operating system."""
+    name = cpu_capabilities().get("cpu_name") or platform.processor() or "unknown CPU"
+    return f"{name} ({bfloat16_unit() or 'no bf16 unit'})"
+
+
 def seconds_since_launch():
     """Wall seconds since this process started (Linux: the kernel's record, 10 ms ticks), Python's start-up, imports
     and data loading included; elsewhere since common.py's import, which misses start-up and torch's import."""
@@ -421,19 +442,11 @@ def record_epoch(records, train, test, train_seconds, image_size=None, test_imag
     train_one_epoch returns (loss, accuracy, optimizer steps, images), `test` what evaluate returns (loss, accuracy);
     `image_size` and `test_images` for scripts that train on smaller images or score part of the test set."""
     (train_loss, train_accuracy, steps, images), (test_loss, test_accuracy) = train, test
-    record = {
-        "epoch": len(records) + 1,
-        "train_loss": train_loss,
-        "train_accuracy": train_accuracy,
-        "test_loss": test_loss,
-        "test_accuracy": test_accuracy,
-        "train_seconds": train_seconds,
-        "images_per_second": images / train_seconds,
-        "ms_per_step": 1000 * train_seconds / steps,
-        "steps": steps,
-        "images": images,
-        "launch_seconds": seconds_since_launch(),  # the test accuracy is known this long after the launch
-    }
+    record = {"epoch": len(records) + 1, "train_loss": train_loss, "train_accuracy": train_accuracy,
+              "test_loss": test_loss, "test_accuracy": test_accuracy, "train_seconds": train_seconds,
+              "images_per_second": images / train_seconds, "ms_per_step": 1000 * train_seconds / steps,
+              "steps": steps, "images": images,
+              "launch_seconds": seconds_since_launch()}  # the test accuracy is known this long after the launch
     size_note = test_note = ""
     if image_size is not None:
         record["image_size"] = image_size
@@ -455,15 +468,9 @@ def summarize(records, total_seconds, peak_memory):
     on different image sizes their speeds do not add up, and it is not measured."""
     one_size = len({record.get("image_size") for record in records}) == 1
     steady = records[1:] if one_size else []
-    summary = {
-        "total_seconds": total_seconds,
-        "warmup_seconds": None,
-        "steady_images_per_second": None,
-        "steady_ms_per_step": None,
-        "final_test_accuracy": records[-1]["test_accuracy"],
-        "launch_to_result_seconds": records[-1]["launch_seconds"],
-        "peak_memory_bytes": peak_memory,
-    }
+    summary = {"total_seconds": total_seconds, "warmup_seconds": None, "steady_images_per_second": None,
+               "steady_ms_per_step": None, "final_test_accuracy": records[-1]["test_accuracy"],
+               "launch_to_result_seconds": records[-1]["launch_seconds"], "peak_memory_bytes": peak_memory}
     if steady:
         seconds = sum(r["train_seconds"] for r in steady)
         images_per_second = sum(r["images"] for r in steady) / seconds
@@ -502,22 +509,14 @@ def report(script, run, records, total_seconds):
         print(f"steady state (epochs 2+): {summary['steady_images_per_second']:.0f} img/s, "
               f"{summary['steady_ms_per_step']:.1f} ms/step | warm-up {summary['warmup_seconds']:.1f} s")
     if args.json:
-        result = {
-            "script": Path(script).name,
-            "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "command": shlex.join(["python", Path(sys.argv[0]).name, *sys.argv[1:]]),
-            "torch": torch.__version__,
-            "device": str(device),
-            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "cpu": cpu_name(),
-            "threads": torch.get_num_threads(),
-            "data": "synthetic" if args.synthetic else "cifar10",
-            "chain": CHAIN_NUMBERING,
-            "settings": vars(args),
-            **summary,
-            **({"world_size": run.world_size} if hasattr(run, "world_size") else {}),
-            "epochs": records,
-        }
+        result = {"script": Path(script).name, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                  "command": shlex.join(["python", Path(sys.argv[0]).name, *sys.argv[1:]]), "torch": torch.__version__,
+                  "device": str(device),
+                  "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                  "cpu": cpu_name(), "threads": torch.get_num_threads(),
+                  "data": "synthetic" if args.synthetic else "cifar10", "chain": CHAIN_NUMBERING,
+                  "settings": vars(args), **summary,
+                  **({"world_size": run.world_size} if hasattr(run, "world_size") else {}), "epochs": records}
         with open(args.json, "a") as file:
             file.write(json.dumps(result) + "\n")
     return summary

@@ -1,7 +1,8 @@
 """What this machine and its torch can run, each verdict one line: a torch older than the floor, no usable CUDA GPU
 (and why), a GPU this torch has no kernels for, torchrun's LOCAL_RANK past the GPUs a process sees, and why
-torch.compile cannot work here. common.pick_device asks these before any data loads; nothing here is a lesson, and
-nothing here changes a setting: a function returns a problem in words (with its remedy), or None.
+torch.compile cannot work here. common.pick_device asks these before any data loads; nothing here is a lesson or changes
+a setting of the run (compile_problem quiets one logger of torch's import noise): each returns a problem in words,
+with its remedy, or None.
 """
 import contextlib
 import functools
@@ -9,7 +10,6 @@ import importlib.metadata
 import io
 import logging
 import os
-import platform
 import re
 import shutil
 import sys
@@ -157,35 +157,3 @@ def compile_failure(error):
                 return words.format(compiler=CXX.get(sys.platform, "a C++ compiler"))
     first_line = (str(causes[-1]).strip().splitlines() or [""])[0][:150]
     return f"{type(causes[-1]).__name__}: {first_line}"
-
-
-def cpu_capabilities():
-    """torch.cpu.get_capabilities(); on a torch without it (2.6 has none), the keys this module reads."""
-    if hasattr(torch.cpu, "get_capabilities"):
-        return torch.cpu.get_capabilities()
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:  # Linux: the model name, and Arm's feature flags
-            fields = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in cpuinfo)}
-    except OSError:
-        fields = {}
-    arm_features = fields.get("Features", "").split()
-    return {
-        "cpu_name": fields.get("model name", ""),
-        "amx_bf16": torch.cpu._is_amx_tile_supported(),  # every CPU with AMX tiles has AMX-BF16
-        "avx512_bf16": torch.cpu._is_avx512_bf16_supported(),
-        "sve_bf16": "svebf16" in arm_features,
-        "bf16": "bf16" in arm_features,
-    }
-
-
-def bfloat16_unit():
-    """The name of this CPU's bfloat16 hardware, or None where it has none and oneDNN would emulate bfloat16."""
-    capabilities = cpu_capabilities()
-    units = [("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX-512 BF16"), ("sve_bf16", "SVE BF16"), ("bf16", "Arm BF16")]
-    return next((name for key, name in units if capabilities.get(key)), None)
-
-
-def cpu_name():
-    """The CPU's model name and its bfloat16 unit, on any operating system."""
-    name = cpu_capabilities().get("cpu_name") or platform.processor() or "unknown CPU"
-    return f"{name} ({bfloat16_unit() or 'no bf16 unit'})"

@@ -34,7 +34,7 @@ def parse_args():
 
 def autocast_dtype(device):
     """The 16-bit type `device` runs natively, or float32 where it has none; and why, in words, for the log."""
-    if device.type == "cuda":
+    if torch.device(device).type == "cuda":  # a torch.device, or the string a script may hold
         # opt1: bfloat16 only where the GPU runs it natively (emulated it is slow): float32's range, so no GradScaler
         if torch.cuda.is_bf16_supported(including_emulation=False):
             return torch.bfloat16, "bfloat16 autocast: this GPU runs it natively, with float32's range"

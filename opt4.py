@@ -1,6 +1,5 @@
-"""opt4.py: opt3.py + the whole training step as one function on buffers at fixed addresses, which a GPU
-captures once as a CUDA graph and replays: one launch a step instead of a Python call, a dispatch and a
-launch for each of its hundreds of kernels.
+"""opt4.py: opt3.py + the whole training step as one function on buffers at fixed addresses, which a GPU captures
+once as a CUDA graph and replays: one launch a step, not a Python call, a dispatch and a launch for each kernel.
 
     python opt4.py --epochs 5               # CIFAR-10 in ./data, downloaded if missing
     python opt4.py --synthetic --epochs 2   # no download: measures speed only
@@ -8,7 +7,7 @@ launch for each of its hundreds of kernels.
 Each optimization is marked `# opt4:` where it happens; read `diff -u opt3.py opt4.py`.
 """
 import argparse
-import warnings
+import inspect
 from types import SimpleNamespace
 
 import torch
@@ -36,7 +35,7 @@ def parse_args():
 
 def autocast_dtype(device):
     """The 16-bit type `device` runs natively, or float32 where it has none; and why, in words, for the log."""
-    if device.type == "cuda":
+    if torch.device(device).type == "cuda":  # a torch.device, or the string a script may hold
         # opt1: bfloat16 only where the GPU runs it natively (emulated it is slow): float32's range, so no GradScaler
         if torch.cuda.is_bf16_supported(including_emulation=False):
             return torch.bfloat16, "bfloat16 autocast: this GPU runs it natively, with float32's range"
@@ -90,7 +89,7 @@ def draw_epoch(image_count, batch_size, padding, generator, accum_steps=1):
 def empty_plan(train_data, statistics, padding, steps, batch_size, accum_steps=1):
     """What an epoch of `steps` steps reads and writes, at fixed addresses on `train_data`'s device: images, labels,
     statistics, padding, accum_steps as given; batches, offsets, flips and rates (plan_epoch's); cursor (the next
-    step); losses, correct; filled (whether plan_epoch has written one)."""
+    step); losses, correct; steps_left (of plan_epoch's epoch, counted by the step where it runs uncaptured)."""
     (images, labels), micro_batches = train_data, steps * accum_steps
     device = images.device
     return SimpleNamespace(
@@ -103,7 +102,7 @@ def empty_plan(train_data, statistics, padding, steps, batch_size, accum_steps=1
         cursor=torch.zeros(1, dtype=torch.long, device=device),
         losses=torch.zeros(micro_batches, device=device),
         correct=torch.zeros((), dtype=torch.long, device=device),
-        filled=False,
+        steps_left=0,
     )
 
 
@@ -114,7 +113,7 @@ def plan_epoch(plan, draw, rates):
         buffer.copy_(values)
     for counter in (plan.cursor, plan.losses, plan.correct):
         counter.zero_()
-    plan.filled = True
+    plan.steps_left = len(plan.rates)
 
 
 def onecycle_schedule(max_lr, total_steps, device, pct_start=0.25):
@@ -162,45 +161,49 @@ def micro_batch_loss(model, criterion, plan, micro_batch, amp_dtype):
 
 
 def optimizer_step(optimizers, plan, scaler):
-    """Each optimizer's update at the plan's rate for the step; then the cursor moves on (from the last step, to 0)."""
+    """Each optimizer's update at the plan's rate (times a group's "lr_scale", if any); then the cursor moves on."""
     for optimizer in optimizers:
         for group in optimizer.param_groups:
-            group["lr"].copy_(plan.rates[plan.cursor].squeeze(0))  # opt4: the schedule reaches it on the device
+            rate = plan.rates[plan.cursor].squeeze(0)  # opt4: the schedule reaches it on the device
+            group["lr"].copy_(rate * group["lr_scale"] if "lr_scale" in group else rate)
         scaler.step(optimizer)
     scaler.update()
     plan.cursor.add_(1).remainder_(len(plan.rates))
 
 
 def make_train_step(model, criterion, optimizers, plan, amp_dtype=torch.float32, scaler=None):
-    """Makes the training step: a function whose every call is one optimizer step over `plan`, whole. It reads only
-    the device and nothing back, the same work on the same addresses each call, so a GPU can replay it as one CUDA
-    graph. It asks for plan_epoch before each epoch, and each rate a tensor updated in tensor ops (AdamW with
-    capturable=True; torch's SGD reads it on the host)."""
+    """Makes the training step: a function whose every call is one optimizer step over `plan`, whole, reading only the
+    device and nothing back, the same work on the same addresses each call, so a GPU can replay it as one CUDA graph.
+    It asks for plan_epoch before each epoch, and each rate a tensor updated in tensor ops."""
     for optimizer in optimizers:
         if not all(isinstance(group["lr"], torch.Tensor) for group in optimizer.param_groups):
             raise TypeError(f"{type(optimizer).__name__}'s learning rate is a float, which a CUDA graph would keep: "
-                            "make the optimizer with lr=torch.tensor(rate, device=device), as adamw() does")
+                            "use torch.optim.AdamW(..., lr=torch.tensor(rate, device=device), fused=True) (on CUDA "
+                            "also capturable=True), as adamw() does; torch's SGD reads its rate on the host: no graph")
     scaler = scaler or torch.amp.GradScaler(enabled=False)  # disabled: scale, step and update pass straight through
 
     def step():
-        if not plan.filled:
-            raise RuntimeError("the plan has no epoch in it: call plan_epoch(plan, draw, rates) before the first step")
-        # opt4: gradients dropped first: backward makes them in the graph's memory, or anew after a failed capture
+        if plan.steps_left == 0:  # uncaptured only: a replayed graph runs no Python, so it cannot check
+            raise RuntimeError("the plan has no step left: call plan_epoch(plan, draw, rates) before each epoch")
+        # opt4: gradients dropped first: backward makes them in the graph's memory; a failed capture is not retried,
+        # the step reruns uncaptured and backward makes them anew
         model.zero_grad()
         for micro_batch in range(plan.accum_steps):
             loss = micro_batch_loss(model, criterion, plan, micro_batch, amp_dtype)
             # opt1: float16 gradients can underflow to zero; GradScaler scales the loss up, then back
             scaler.scale(loss).backward()
         optimizer_step(optimizers, plan, scaler)
+        plan.steps_left -= 1
     return step
 
 
 def cuda_graph(step, device, warmup_steps=3):
-    """`step` (a function of no arguments, its work on `device`) as one CUDA graph, as in PyTorch's whole-network
-    capture: its first `warmup_steps` calls run on a side stream (cuDNN's autotuning, the optimizer's first state),
-    the next captures it, the rest replay it. Off CUDA, or where the capture fails, it says why in one line and runs
-    `step` as itself."""
-    if device.type != "cuda":
+    """`step` (of no arguments, its work on `device`) as one CUDA graph, as PyTorch's whole-network capture: its first
+    `warmup_steps` calls run on a side stream (cuDNN's autotuning, the optimizer's first state), the next captures it,
+    the rest replay it. Off CUDA, or where the capture fails, it says why in one line and runs `step` as itself."""
+    if any(parameter.default is parameter.empty for parameter in inspect.signature(step).parameters.values()):
+        raise TypeError("cuda_graph replays a step of no arguments: bind them, as functools.partial(step, size)")
+    if torch.device(device).type != "cuda":
         print("step: run as a function, not captured: CUDA graphs are CUDA's")
         return step
     graph, calls = torch.cuda.CUDAGraph(), 0
@@ -213,9 +216,7 @@ def cuda_graph(step, device, warmup_steps=3):
         if calls <= warmup_steps:
             side_stream = torch.cuda.Stream()
             side_stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side_stream), warnings.catch_warnings():
-                # opt4: torch warns once that a capturable=True optimizer (adamw's) steps uncaptured: here, by design
-                warnings.filterwarnings("ignore", message=".*capturable=True.*")
+            with torch.cuda.stream(side_stream):
                 step()
             return torch.cuda.current_stream().wait_stream(side_stream)
         if calls == warmup_steps + 1:

@@ -9,7 +9,7 @@ Each optimization is marked `# opt5:` where it happens; read `diff -u opt4.py op
 """
 import argparse
 import functools
-import warnings
+import inspect
 from types import SimpleNamespace
 
 import torch
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import common
 
 
-# opt5: the recipe, each setting once, flags' defaults (results/README.md: the recipe's runs, how it was picked)
+# opt5: the recipe, every setting named once, the flags' defaults (results/README.md: its runs, how it was picked)
 RECIPE = dict(
     epochs=20,            # 20 epochs of 512 images a step: as many steps as 5 of 128 (opt4), each a 4x batch
     batch_size=512,       # a quarter of opt4's steps, each launching the same kernels on 4x the images
@@ -32,8 +32,7 @@ RECIPE = dict(
     ns_steps=3,           # Newton-Schulz iterations a Muon update, as airbench94_muon.py; torch.optim.Muon's: 5
     muon_momentum=0.9,    # Muon's Nesterov momentum, as airbench94_muon.py's
     weight_decay=0.05,    # AdamW's, as opt1-opt4's; Muon's the same, decoupled
-    label_smoothing=0.1,  # as opt2-opt4's
-    # and as opt2-opt4's, common.CROP_PADDING: training crops shift an image 2 px at most; evaluate: 2 views an image
+    label_smoothing=0.1,  # as opt2-opt4's; so are the crops (common.CROP_PADDING, 2 px); evaluate: 2 views an image
 )
 
 
@@ -65,7 +64,7 @@ def parse_args():
 
 def autocast_dtype(device):
     """The 16-bit type `device` runs natively, or float32 where it has none; and why, in words, for the log."""
-    if device.type == "cuda":
+    if torch.device(device).type == "cuda":  # a torch.device, or the string a script may hold
         # opt1: bfloat16 only where the GPU runs it natively (emulated it is slow): float32's range, so no GradScaler
         if torch.cuda.is_bf16_supported(including_emulation=False):
             return torch.bfloat16, "bfloat16 autocast: this GPU runs it natively, with float32's range"
@@ -133,7 +132,7 @@ def draw_epoch(image_count, batch_size, padding, generator, accum_steps=1):
 def empty_plan(train_data, statistics, padding, steps, batch_size, accum_steps=1):
     """What an epoch of `steps` steps reads and writes, at fixed addresses on `train_data`'s device: images, labels,
     statistics, padding, accum_steps as given; batches, offsets, flips and rates (plan_epoch's); cursor (the next
-    step); losses, correct; filled (whether plan_epoch has written one)."""
+    step); losses, correct; steps_left (of plan_epoch's epoch, counted by the step where it runs uncaptured)."""
     (images, labels), micro_batches = train_data, steps * accum_steps
     device = images.device
     return SimpleNamespace(
@@ -146,7 +145,7 @@ def empty_plan(train_data, statistics, padding, steps, batch_size, accum_steps=1
         cursor=torch.zeros(1, dtype=torch.long, device=device),
         losses=torch.zeros(micro_batches, device=device),
         correct=torch.zeros((), dtype=torch.long, device=device),
-        filled=False,
+        steps_left=0,
     )
 
 
@@ -157,7 +156,7 @@ def plan_epoch(plan, draw, rates):
         buffer.copy_(values)
     for counter in (plan.cursor, plan.losses, plan.correct):
         counter.zero_()
-    plan.filled = True
+    plan.steps_left = len(plan.rates)
 
 
 def onecycle_schedule(max_lr, total_steps, device, pct_start=RECIPE["pct_start"]):
@@ -227,8 +226,7 @@ class Muon(torch.optim.Optimizer):
 
 def micro_batch_loss(model, criterion, plan, micro_batch, amp_dtype, size):
     """The loss (over the plan's accum_steps) of micro-batch `micro_batch` of the step at the plan's cursor, its images
-    gathered, normalized, cropped, flipped and shrunk to size x size on the device; its loss and correct count kept in
-    the plan."""
+    gathered, normalized, cropped, flipped and shrunk to size x size on the device; loss, correct count in the plan."""
     # opt4: the micro-batch found by the plan's cursor on the device: a Python index would be baked into the graph
     micro_step = plan.cursor * plan.accum_steps + micro_batch
     indices, offsets, flips = (buffer[micro_step].squeeze(0) for buffer in (plan.batches, plan.offsets, plan.flips))
@@ -249,45 +247,49 @@ def micro_batch_loss(model, criterion, plan, micro_batch, amp_dtype, size):
 
 
 def optimizer_step(optimizers, plan, scaler):
-    """Each optimizer's update at the plan's rate for the step; then the cursor moves on (from the last step, to 0)."""
+    """Each optimizer's update at the plan's rate (times a group's "lr_scale", if any); then the cursor moves on."""
     for optimizer in optimizers:
         for group in optimizer.param_groups:
-            group["lr"].copy_(plan.rates[plan.cursor].squeeze(0))  # opt4: the schedule reaches it on the device
+            rate = plan.rates[plan.cursor].squeeze(0)  # opt4: the schedule reaches it on the device
+            group["lr"].copy_(rate * group["lr_scale"] if "lr_scale" in group else rate)
         scaler.step(optimizer)
     scaler.update()
     plan.cursor.add_(1).remainder_(len(plan.rates))
 
 
 def make_train_step(model, criterion, optimizers, plan, amp_dtype=torch.float32, scaler=None):
-    """Makes the training step: a function whose every call is one optimizer step over `plan`, whole. It reads only
-    the device and nothing back, the same work on the same addresses each call, so a GPU can replay it as one CUDA
-    graph. It asks for plan_epoch before each epoch, and each rate a tensor updated in tensor ops (AdamW with
-    capturable=True; torch's SGD reads it on the host)."""
+    """Makes the training step: a function whose every call is one optimizer step over `plan`, whole, reading only the
+    device and nothing back, the same work on the same addresses each call, so a GPU can replay it as one CUDA graph.
+    It asks for plan_epoch before each epoch, and each rate a tensor updated in tensor ops."""
     for optimizer in optimizers:
         if not all(isinstance(group["lr"], torch.Tensor) for group in optimizer.param_groups):
             raise TypeError(f"{type(optimizer).__name__}'s learning rate is a float, which a CUDA graph would keep: "
-                            "make the optimizer with lr=torch.tensor(rate, device=device), as adamw() does")
+                            "use torch.optim.AdamW(..., lr=torch.tensor(rate, device=device), fused=True) (on CUDA "
+                            "also capturable=True), as adamw() does; torch's SGD reads its rate on the host: no graph")
     scaler = scaler or torch.amp.GradScaler(enabled=False)  # disabled: scale, step and update pass straight through
 
     def step(size):  # opt5: the side of the images it trains on
-        if not plan.filled:
-            raise RuntimeError("the plan has no epoch in it: call plan_epoch(plan, draw, rates) before the first step")
-        # opt4: gradients dropped first: backward makes them in the graph's memory, or anew after a failed capture
+        if plan.steps_left == 0:  # uncaptured only: a replayed graph runs no Python, so it cannot check
+            raise RuntimeError("the plan has no step left: call plan_epoch(plan, draw, rates) before each epoch")
+        # opt4: gradients dropped first: backward makes them in the graph's memory; a failed capture is not retried,
+        # the step reruns uncaptured and backward makes them anew
         model.zero_grad()
         for micro_batch in range(plan.accum_steps):
             loss = micro_batch_loss(model, criterion, plan, micro_batch, amp_dtype, size)
             # opt1: float16 gradients can underflow to zero; GradScaler scales the loss up, then back
             scaler.scale(loss).backward()
         optimizer_step(optimizers, plan, scaler)
+        plan.steps_left -= 1
     return step
 
 
 def cuda_graph(step, device, warmup_steps=3):
-    """`step` (a function of no arguments, its work on `device`) as one CUDA graph, as in PyTorch's whole-network
-    capture: its first `warmup_steps` calls run on a side stream (cuDNN's autotuning, the optimizer's first state),
-    the next captures it, the rest replay it. Off CUDA, or where the capture fails, it says why in one line and runs
-    `step` as itself."""
-    if device.type != "cuda":
+    """`step` (of no arguments, its work on `device`) as one CUDA graph, as PyTorch's whole-network capture: its first
+    `warmup_steps` calls run on a side stream (cuDNN's autotuning, the optimizer's first state), the next captures it,
+    the rest replay it. Off CUDA, or where the capture fails, it says why in one line and runs `step` as itself."""
+    if any(parameter.default is parameter.empty for parameter in inspect.signature(step).parameters.values()):
+        raise TypeError("cuda_graph replays a step of no arguments: bind them, as functools.partial(step, size)")
+    if torch.device(device).type != "cuda":
         print("step: run as a function, not captured: CUDA graphs are CUDA's")
         return step
     graph, calls = torch.cuda.CUDAGraph(), 0
@@ -300,9 +302,7 @@ def cuda_graph(step, device, warmup_steps=3):
         if calls <= warmup_steps:
             side_stream = torch.cuda.Stream()
             side_stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side_stream), warnings.catch_warnings():
-                # opt4: torch warns once that a capturable=True optimizer (adamw's) steps uncaptured: here, by design
-                warnings.filterwarnings("ignore", message=".*capturable=True.*")
+            with torch.cuda.stream(side_stream):
                 step()
             return torch.cuda.current_stream().wait_stream(side_stream)
         if calls == warmup_steps + 1:
@@ -466,7 +466,7 @@ def main():
         evaluated = test_data if epoch == args.epochs else subset_data
         test_figures = evaluate(run, evaluated, size)
         common.record_epoch(records, train_figures, test_figures, train_seconds, image_size=size,
-                             test_images=len(evaluated[1]))
+                            test_images=len(evaluated[1]))
     common.report(__file__, run, records, common.now(device) - start)
     if args.save:
         torch.save(model.state_dict(), args.save)

@@ -15,7 +15,6 @@ import functools
 import inspect
 import os
 import sys
-import warnings
 from types import SimpleNamespace
 
 import torch
@@ -27,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 import common
 
 
-# opt5: the recipe, each setting once, flags' defaults (results/README.md: the recipe's runs, how it was picked)
+# opt5: the recipe, every setting named once, the flags' defaults (results/README.md: its runs, how it was picked)
 RECIPE = dict(
     epochs=20,            # 20 epochs of 512 images a step: as many steps as 5 of 128 (opt4), each a 4x batch
     batch_size=512,       # a quarter of opt4's steps, each launching the same kernels on 4x the images
@@ -40,8 +39,7 @@ RECIPE = dict(
     ns_steps=3,           # Newton-Schulz iterations a Muon update, as airbench94_muon.py; torch.optim.Muon's: 5
     muon_momentum=0.9,    # Muon's Nesterov momentum, as airbench94_muon.py's
     weight_decay=0.05,    # AdamW's, as opt1-opt4's; Muon's the same, decoupled
-    label_smoothing=0.1,  # as opt2-opt4's
-    # and as opt2-opt4's, common.CROP_PADDING: training crops shift an image 2 px at most; evaluate: 2 views an image
+    label_smoothing=0.1,  # as opt2-opt4's; so are the crops (common.CROP_PADDING, 2 px); evaluate: 2 views an image
 )
 
 
@@ -85,7 +83,7 @@ def started_by_torchrun():
 
 def point_to_torchrun(device, world_size):
     """Say how to start torchrun where one process (world_size 1) on `device` leaves GPUs of this machine idle."""
-    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    gpus = torch.cuda.device_count() if torch.device(device).type == "cuda" else 0
     if world_size == 1 and gpus > 1:
         print(f"{gpus} GPUs here, and one process uses one: to use them all, start "
               f"torchrun --standalone --nproc_per_node={gpus} {os.path.basename(sys.argv[0])} ...")
@@ -93,6 +91,7 @@ def point_to_torchrun(device, world_size):
 
 def setup_distributed(device):
     """(rank, world size, device): torchrun's when it started this process, else (0, 1, device) and no process group."""
+    device = torch.device(device)  # or the string a script may hold
     if "WORLD_SIZE" not in os.environ:  # parse_args checked that torchrun's variables are all set or none
         return 0, 1, device
     if device.type == "cuda":
@@ -145,7 +144,7 @@ def leave_process_group():
 
 def autocast_dtype(device):
     """The 16-bit type `device` runs natively, or float32 where it has none; and why, in words, for the log."""
-    if device.type == "cuda":
+    if torch.device(device).type == "cuda":  # a torch.device, or the string a script may hold
         # opt1: bfloat16 only where the GPU runs it natively (emulated it is slow): float32's range, so no GradScaler
         if torch.cuda.is_bf16_supported(including_emulation=False):
             return torch.bfloat16, "bfloat16 autocast: this GPU runs it natively, with float32's range"
@@ -221,7 +220,7 @@ def rank_share(draw, rank, batch_size):
 def empty_plan(train_data, statistics, padding, steps, batch_size, accum_steps=1):
     """What an epoch of `steps` steps reads and writes, at fixed addresses on `train_data`'s device: images, labels,
     statistics, padding, accum_steps as given; batches, offsets, flips and rates (plan_epoch's); cursor (the next
-    step); losses, correct; filled (whether plan_epoch has written one)."""
+    step); losses, correct; steps_left (of plan_epoch's epoch, counted by the step where it runs uncaptured)."""
     (images, labels), micro_batches = train_data, steps * accum_steps
     device = images.device
     return SimpleNamespace(
@@ -234,7 +233,7 @@ def empty_plan(train_data, statistics, padding, steps, batch_size, accum_steps=1
         cursor=torch.zeros(1, dtype=torch.long, device=device),
         losses=torch.zeros(micro_batches, device=device),
         correct=torch.zeros((), dtype=torch.long, device=device),
-        filled=False,
+        steps_left=0,
     )
 
 
@@ -245,7 +244,7 @@ def plan_epoch(plan, draw, rates):
         buffer.copy_(values)
     for counter in (plan.cursor, plan.losses, plan.correct):
         counter.zero_()
-    plan.filled = True
+    plan.steps_left = len(plan.rates)
 
 
 def onecycle_schedule(max_lr, total_steps, device, pct_start=RECIPE["pct_start"]):
@@ -315,8 +314,7 @@ class Muon(torch.optim.Optimizer):
 
 def micro_batch_loss(model, criterion, plan, micro_batch, amp_dtype, size):
     """The loss (over the plan's accum_steps) of micro-batch `micro_batch` of the step at the plan's cursor, its images
-    gathered, normalized, cropped, flipped and shrunk to size x size on the device; its loss and correct count kept in
-    the plan."""
+    gathered, normalized, cropped, flipped and shrunk to size x size on the device; loss, correct count in the plan."""
     # opt4: the micro-batch found by the plan's cursor on the device: a Python index would be baked into the graph
     micro_step = plan.cursor * plan.accum_steps + micro_batch
     indices, offsets, flips = (buffer[micro_step].squeeze(0) for buffer in (plan.batches, plan.offsets, plan.flips))
@@ -337,31 +335,33 @@ def micro_batch_loss(model, criterion, plan, micro_batch, amp_dtype, size):
 
 
 def optimizer_step(optimizers, plan, scaler):
-    """Each optimizer's update at the plan's rate for the step; then the cursor moves on (from the last step, to 0)."""
+    """Each optimizer's update at the plan's rate (times a group's "lr_scale", if any); then the cursor moves on."""
     for optimizer in optimizers:
         for group in optimizer.param_groups:
-            group["lr"].copy_(plan.rates[plan.cursor].squeeze(0))  # opt4: the schedule reaches it on the device
+            rate = plan.rates[plan.cursor].squeeze(0)  # opt4: the schedule reaches it on the device
+            group["lr"].copy_(rate * group["lr_scale"] if "lr_scale" in group else rate)
         scaler.step(optimizer)
     scaler.update()
     plan.cursor.add_(1).remainder_(len(plan.rates))
 
 
 def make_train_step(model, criterion, optimizers, plan, amp_dtype=torch.float32, scaler=None):
-    """Makes the training step: a function whose every call is one optimizer step over `plan`, whole. It reads only
-    the device and nothing back, the same work on the same addresses each call, so a GPU can replay it as one CUDA
-    graph. It asks for plan_epoch before each epoch, and each rate a tensor updated in tensor ops (AdamW with
-    capturable=True; torch's SGD reads it on the host)."""
+    """Makes the training step: a function whose every call is one optimizer step over `plan`, whole, reading only the
+    device and nothing back, the same work on the same addresses each call, so a GPU can replay it as one CUDA graph.
+    It asks for plan_epoch before each epoch, and each rate a tensor updated in tensor ops."""
     for optimizer in optimizers:
         if not all(isinstance(group["lr"], torch.Tensor) for group in optimizer.param_groups):
             raise TypeError(f"{type(optimizer).__name__}'s learning rate is a float, which a CUDA graph would keep: "
-                            "make the optimizer with lr=torch.tensor(rate, device=device), as adamw() does")
+                            "use torch.optim.AdamW(..., lr=torch.tensor(rate, device=device), fused=True) (on CUDA "
+                            "also capturable=True), as adamw() does; torch's SGD reads its rate on the host: no graph")
     scaler = scaler or torch.amp.GradScaler(enabled=False)  # disabled: scale, step and update pass straight through
     distributed = isinstance(model, DistributedDataParallel)
 
     def step(size):  # opt5: the side of the images it trains on
-        if not plan.filled:
-            raise RuntimeError("the plan has no epoch in it: call plan_epoch(plan, draw, rates) before the first step")
-        # opt4: gradients dropped first: backward makes them in the graph's memory, or anew after a failed capture
+        if plan.steps_left == 0:  # uncaptured only: a replayed graph runs no Python, so it cannot check
+            raise RuntimeError("the plan has no step left: call plan_epoch(plan, draw, rates) before each epoch")
+        # opt4: gradients dropped first: backward makes them in the graph's memory; a failed capture is not retried,
+        # the step reruns uncaptured and backward makes them anew
         model.zero_grad(set_to_none=not distributed)  # opt6: under DDP zeroed, not dropped: views of its buckets
         for micro_batch in range(plan.accum_steps):
             # opt6: DDP all-reduces in the backward of a step's last micro-batch only: no_sync() skips it in the others
@@ -371,15 +371,17 @@ def make_train_step(model, criterion, optimizers, plan, amp_dtype=torch.float32,
                 # opt1: float16 gradients can underflow to zero; GradScaler scales the loss up, then back
                 scaler.scale(loss).backward()
         optimizer_step(optimizers, plan, scaler)
+        plan.steps_left -= 1
     return step
 
 
 def cuda_graph(step, device, warmup_steps=3):
-    """`step` (a function of no arguments, its work on `device`) as one CUDA graph, as in PyTorch's whole-network
-    capture: its first `warmup_steps` calls run on a side stream (cuDNN's autotuning, the optimizer's first state),
-    the next captures it, the rest replay it. Off CUDA, or where the capture fails, it says why in one line and runs
-    `step` as itself."""
-    if device.type != "cuda":
+    """`step` (of no arguments, its work on `device`) as one CUDA graph, as PyTorch's whole-network capture: its first
+    `warmup_steps` calls run on a side stream (cuDNN's autotuning, the optimizer's first state), the next captures it,
+    the rest replay it. Off CUDA, or where the capture fails, it says why in one line and runs `step` as itself."""
+    if any(parameter.default is parameter.empty for parameter in inspect.signature(step).parameters.values()):
+        raise TypeError("cuda_graph replays a step of no arguments: bind them, as functools.partial(step, size)")
+    if torch.device(device).type != "cuda":
         print("step: run as a function, not captured: CUDA graphs are CUDA's")
         return step
     graph, calls = torch.cuda.CUDAGraph(), 0
@@ -392,9 +394,7 @@ def cuda_graph(step, device, warmup_steps=3):
         if calls <= warmup_steps:
             side_stream = torch.cuda.Stream()
             side_stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side_stream), warnings.catch_warnings():
-                # opt4: torch warns once that a capturable=True optimizer (adamw's) steps uncaptured: here, by design
-                warnings.filterwarnings("ignore", message=".*capturable=True.*")
+            with torch.cuda.stream(side_stream):
                 step()
             return torch.cuda.current_stream().wait_stream(side_stream)
         if calls == warmup_steps + 1:
@@ -418,6 +418,7 @@ def capture_problem(device, amp_dtype, optimizers, world_size):
     if device.type != "cuda":
         return "not captured: CUDA graphs are CUDA's"
     if world_size > 1:  # opt6: capturing DDP's all-reduce needs settings and a warm-up of its own
+        # opt6: uncaptured, adamw's capturable=True costs speed (torch: it "can impair ungraphed performance")
         return "not captured: under DDP the step runs as a function, its all-reduce launched by DDP's hooks"
     supports_amp_scaling = (getattr(optimizer, "_step_supports_amp_scaling", False) for optimizer in optimizers)
     if amp_dtype == torch.float16 and not all(supports_amp_scaling):
@@ -594,7 +595,7 @@ def main():
         evaluated = test_data if epoch == args.epochs else subset_data
         test_figures = evaluate(run, evaluated, size)
         common.record_epoch(records, train_figures, test_figures, train_seconds, image_size=size,
-                             test_images=len(evaluated[1]))
+                            test_images=len(evaluated[1]))
     if rank == 0:  # opt6: rank 0 alone writes the report and the weights
         common.report(__file__, run, records, common.now(device) - start)
         if args.save:

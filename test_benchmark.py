@@ -2,6 +2,7 @@
 `python -m pytest -q test_benchmark.py`."""
 import inspect
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -105,6 +106,26 @@ def test_repeats_give_round_r_the_seed_plus_r_minus_1_and_the_summary_their_spre
     assert spread[1][:7] == ["b.py", "3", "5, 6, 7", "86.00", "1.00", "85.00", "87.00"]
 
 
+def test_the_rows_name_the_commit_read_as_benchmark_started_though_the_checkout_changes_during_the_runs(
+        tmp_path, monkeypatch, capsys):
+    # A git that answers aaaaaaa until a run checks out other code, bbbbbbb after: benchmark.py reads the commit before
+    # any run, so its rows name the code the runs started with (a long benchmark outlives many checkouts)
+    fake_chain(tmp_path, monkeypatch)
+    (tmp_path / "bin").mkdir()
+    git = tmp_path / "bin" / "git"
+    git.write_text(f"#!/bin/sh\ncase \"$*\" in *rev-parse*) [ -e {tmp_path / 'checked-out'} ] && echo bbbbbbb || "
+                   "echo aaaaaaa;; esac\n")
+    git.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    (tmp_path / "a.py").write_text((tmp_path / "a.py").read_text() + f"open({str(tmp_path / 'checked-out')!r}, 'w')\n")
+    json_path = tmp_path / "chain.jsonl"
+    code, out, err = run_benchmark(monkeypatch, capsys, "--scripts", "a.py", "b.py", "--json", json_path)
+    assert code == 0, err
+    assert (tmp_path / "checked-out").exists(), "the checkout changed during the runs"
+    *runs, summary = [json.loads(line) for line in json_path.read_text().splitlines()]
+    assert [run["commit"] for run in runs] == ["aaaaaaa", "aaaaaaa"] and summary["commit"] == "aaaaaaa"
+
+
 def test_same_seed_gives_every_round_the_one_seed(tmp_path, monkeypatch, capsys):
     fake_chain(tmp_path, monkeypatch)
     json_path = tmp_path / "chain.jsonl"
@@ -114,7 +135,7 @@ def test_same_seed_gives_every_round_the_one_seed(tmp_path, monkeypatch, capsys)
     assert seeds_called(tmp_path, "a.py") == [2, 2, 2]
     summary = json.loads(json_path.read_text().splitlines()[-1])
     assert summary["seeds"] == [2, 2, 2] and summary["rows"][0]["test_accuracy_std"] == 0.0
-    assert "seed 2 in every round" in out and "(seed 2)" in out.splitlines()[2]
+    assert "seed 2 in every round" in out and "round 3/3 a.py (seed 2)" in out
 
 
 def test_one_round_has_no_spread_table_and_a_null_std(tmp_path, monkeypatch, capsys):

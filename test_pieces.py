@@ -1,14 +1,17 @@
 """The README's "What to copy first" table, applied to someone else's training script.
 
 The client is a small training script of this file's own, in the shape of PyTorch's CIFAR-10 tutorial: its own small
-CNN with a classifier sized for 32 x 32 images, a plain loop, a standard optimizer. Each row of the table is applied to
-it as the row says: exactly the names the row lists are copied (a name it does not list is missing, and the copy
-fails), from the file it names, into a fresh module that imports only the standard library and torch; the client
-gives the pieces what the row's third column asks, and the test checks what the row promises. The rows are applied
-one at a time, and one after another (a later row's version of an earlier piece replacing it, as the row says).
+CNN with a classifier sized for 32 x 32 images, a plain loop, a standard optimizer. A second client, as the most
+copied CIFAR scripts are, holds its device as a string ("cpu"), has a classifier on a fixed 5 x 5 grid, and its SGD.
+Each row of the table is applied to it as the row says: exactly the names the row lists are copied (a name it does
+not list is missing, and the copy fails), from the file it names, into a fresh module that imports only the standard
+library and torch; the client gives the pieces what the row's third column asks, and the test checks what the row
+promises. The rows are applied one at a time, and one after another (a later row's version of an earlier piece
+replacing it, as the row says).
 A row of settings, not code, says "settings" and is exempt. On the CPU; the captured step also under `-m cuda`.
 """
 import ast
+import functools
 import os
 import re
 import socket
@@ -55,8 +58,7 @@ def row_names(optimization):
     for segment in copy_table()[optimization][0].split("; "):
         if segment.startswith("settings"):
             continue
-        source = next((name for name in ("common.py", "machine.py") if segment.startswith(name)), None) or \
-            re.search(r"\b(opt\d)\b", segment)[1] + ".py"
+        source = "common.py" if segment.startswith("common.py") else re.search(r"\b(opt\d)\b", segment)[1] + ".py"
         names = re.findall(r"`(\w+)`", segment)
         above = row_names(rows[rows.index(optimization) - 1])[0] if "the row above's" in segment else []
         # the row above's names: its script's from this row's file (a later copy of them), common.py's as they are
@@ -101,7 +103,7 @@ def copied(*pieces):
 def copied_source(*pieces):
     """The source of exactly the named definitions, [(file, names), ...] in the order given, a later copy of a name
     replacing an earlier one, after the standard library's and torch's imports; calls of common.py's copied names
-    (and machine.py's, which common imports) lose their `common.`, as the autocast row says."""
+    lose their `common.`, as the autocast row says."""
     code, imports, from_common = {}, [], set()
     for source, names in pieces:
         lines, found = definitions(source)
@@ -111,7 +113,7 @@ def copied_source(*pieces):
         for name in names:
             first, last = found[name]
             code[name] = "\n".join(lines[first - 1:last])
-        from_common |= set(names) if source in ("common.py", "machine.py") else set()  # common has machine's
+        from_common |= set(names) if source == "common.py" else set()
     source_code = "\n\n\n".join(code.values())
     for name in from_common:
         source_code = re.sub(rf"\bcommon\.{name}\b", name, source_code)
@@ -138,10 +140,22 @@ class TutorialNet(nn.Module):
         return self.fc(self.pool(x).flatten(1))
 
 
-def client_dataset(count=128, side=32):
+class GridNet(TutorialNet):
+    """The second client's net: its classifier wants a 5 x 5 grid, which `nn.AdaptiveAvgPool2d(5)` before it gives
+    at any image size (the resizing row's other way than global pooling)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pool = nn.AdaptiveAvgPool2d(5)
+
+
+SECOND_CLIENT_DEVICE = "cpu"  # the second client's device, a string as `device = "cuda" if ... else "cpu"` makes it
+
+
+def client_dataset(count=128, side=32, seed=0):
     """The client's data, CIFAR-10's layout: `data`, uint8 N x H x W x 3, and `targets`; 4 classes, learnable (each
     a brightness band)."""
-    generator = np.random.default_rng(0)
+    generator = np.random.default_rng(seed)
     labels = generator.integers(0, 4, count)
     images = (generator.integers(0, 40, (count, side, side, 3)) + 60 * labels[:, None, None, None]).astype(np.uint8)
     return types.SimpleNamespace(data=images, targets=labels.tolist())
@@ -181,6 +195,7 @@ def autocast_row(pieces):
     """The client's forward and loss in the 16-bit type its hardware runs natively, float16's through GradScaler."""
     dtype, why = pieces.autocast_dtype(CPU)
     assert dtype in (torch.bfloat16, torch.float32) and why
+    assert pieces.autocast_dtype(SECOND_CLIENT_DEVICE) == (dtype, why), "the second client's string device"
     model = TutorialNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     scaler = torch.amp.GradScaler("cpu", enabled=dtype == torch.float16)
@@ -239,7 +254,7 @@ def transforms_row(pieces):
 def data_row(pieces):
     """The client's loop fed from the device: uint8 images there, normalized, cropped and flipped a batch at a time,
     the epoch drawn at once and iterated like a loader; the losses kept on the device, read once an epoch."""
-    images, labels = pieces.load_to_device(client_dataset(), CPU)
+    images, labels = pieces.load_to_device(client_dataset(), SECOND_CLIENT_DEVICE)  # a string device works too
     assert images.dtype == torch.uint8 and images.shape == (128, 3, 32, 32)
     statistics = pieces.channel_statistics(images)
     pixels = images.transpose(0, 1).flatten(1).double()
@@ -248,10 +263,17 @@ def data_row(pieces):
     centred = pieces.augment(pieces.normalize(images[:8], statistics), torch.full((2, 8, 1), 2),
                              torch.zeros(8, 1, dtype=torch.bool), 2)
     assert torch.equal(centred, pieces.normalize(images[:8], statistics))
+    # the crop at the top-left corner reads reflected pixels, not zeros: the row changes a zero-padding client's crops
+    image = images[:1].float()
+    corner = pieces.augment(image, torch.zeros(2, 1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.bool), 2)[0]
+    assert torch.equal(corner[:, 0, 2:], image[0, :, 2, :30]) and torch.equal(corner[:, 2:, 2:], image[0, :, :30, :30])
+    # full batches only: 130 images in batches of 16 are 8 batches, 2 images left out of each epoch
+    batches, _, _ = pieces.draw_epoch(130, 16, 2, torch.Generator().manual_seed(0))
+    assert batches.shape == (8, 16) and len(set(batches.flatten().tolist())) == 128
     model = TutorialNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     generator, epoch_losses = torch.Generator().manual_seed(0), []
-    for _ in range(4):
+    for _ in range(8):
         losses = []
         for indices, offsets, flips in zip(*pieces.draw_epoch(len(labels), 16, 2, generator)):
             batch = pieces.augment(pieces.normalize(images[indices], statistics), offsets, flips, 2)
@@ -262,6 +284,13 @@ def data_row(pieces):
             losses.append(loss.detach())  # on the device: no wait a step
         epoch_losses.append(torch.stack(losses).mean().item())  # the one read an epoch
     assert learned(epoch_losses), epoch_losses
+    # the test images normalized with the training statistics, as the row says; the client's own [0, 1] test
+    # transform would feed the model inputs it never saw, and lose accuracy without a word
+    test_images, test_labels = pieces.load_to_device(client_dataset(64, seed=1), SECOND_CLIENT_DEVICE)
+    with torch.no_grad():
+        same = (model(pieces.normalize(test_images, statistics)).argmax(1) == test_labels).float().mean().item()
+        own = (model(test_images.float() / 255).argmax(1) == test_labels).float().mean().item()
+    assert same > 0.9 and own < same - 0.3, (same, own)
 
 
 def capturable_adamw(parameters, lr=0.01, device=CPU):
@@ -276,12 +305,12 @@ def step_epochs(pieces, model, optimizers, device=CPU, epochs=4, sizes=None):
     statistics = pieces.channel_statistics(images)
     steps, generator = len(labels) // 16, torch.Generator(device).manual_seed(0)
     plan = pieces.empty_plan((images, labels), statistics, 2, steps, 16)
-    step = pieces.make_train_step(model, nn.CrossEntropyLoss(), optimizers, plan,
-                             pieces.autocast_dtype(device)[0] if hasattr(pieces, "autocast_dtype") else torch.float32)
+    amp_dtype = pieces.autocast_dtype(device)[0] if hasattr(pieces, "autocast_dtype") else torch.float32
+    step = pieces.make_train_step(model, nn.CrossEntropyLoss(), optimizers, plan, amp_dtype)
     if sizes is None:
         graphed = {None: pieces.cuda_graph(step, device)}
-    else:  # the resizing row's step takes an image size: one graph per size
-        graphed = {size: pieces.cuda_graph(lambda size=size: step(size), device) for size in set(sizes)}
+    else:  # the resizing row's step takes an image size: bound, one graph per size
+        graphed = {size: pieces.cuda_graph(functools.partial(step, size), device) for size in set(sizes)}
     rates, losses = torch.linspace(0.01, 0.001, steps, device=device), []
     for epoch in range(epochs):
         pieces.plan_epoch(plan, pieces.draw_epoch(len(labels), 16, 2, generator), rates)
@@ -293,26 +322,43 @@ def step_epochs(pieces, model, optimizers, device=CPU, epochs=4, sizes=None):
 
 def graph_row(pieces, capsys):
     """The client's step as one function over a plan, uncaptured on the CPU (one line says so); each of its demands
-    said where it bites."""
+    said where it bites, each a clear error where a piece can check it."""
     model = TutorialNet()
     losses, plan = step_epochs(pieces, model, [capturable_adamw(model.parameters())])
     assert learned(losses), losses
     assert capsys.readouterr().out.count("step: run as a function, not captured: CUDA graphs are CUDA's") == 1
     assert plan.cursor.item() == 0, "the epoch's last step wraps the cursor to its first"
-    float_rate = torch.optim.AdamW(model.parameters(), lr=0.01)
-    with pytest.raises(TypeError, match=r"AdamW's learning rate is a float.*lr=torch\.tensor"):
+    float_rate = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(TypeError, match=r"SGD's learning rate is a float.*AdamW\(\.\.\., lr=torch\.tensor\(rate, "
+                                        r"device=device\), fused=True\).*capturable=True.*SGD.*no graph"):
         pieces.make_train_step(model, nn.CrossEntropyLoss(), [float_rate], plan)
-    images, labels = pieces.load_to_device(client_dataset(), CPU)
-    empty = pieces.empty_plan((images, labels), pieces.channel_statistics(images), 2, 8, 16)
-    step = pieces.make_train_step(model, nn.CrossEntropyLoss(), [capturable_adamw(model.parameters())], empty)
+    # the second client: a string device, the row's adamw, and a step that takes the image size
+    second = GridNet()
+    images, labels = pieces.load_to_device(client_dataset(), SECOND_CLIENT_DEVICE)
+    plan = pieces.empty_plan((images, labels), pieces.channel_statistics(images), 2, 8, 16)
+    adamw = pieces.adamw(second.parameters(), 0.01, SECOND_CLIENT_DEVICE)
+    adamw.param_groups[0]["lr_scale"] = 0.5  # an optimizer at half the plan's rate
+    step = pieces.make_train_step(second, nn.CrossEntropyLoss(), [adamw], plan)
     with pytest.raises(RuntimeError, match="plan_epoch"):
-        step()
+        step()  # no epoch in the plan yet
+    pieces.plan_epoch(plan, pieces.draw_epoch(len(labels), 16, 2, torch.Generator().manual_seed(0)),
+                      torch.full((8,), 0.02))
+    graphed = pieces.cuda_graph(step, SECOND_CLIENT_DEVICE)
+    for _ in range(8):
+        graphed()
+    assert adamw.param_groups[0]["lr"].item() == pytest.approx(0.01), "the plan's rate x the group's lr_scale"
+    with pytest.raises(RuntimeError, match="no step left: call plan_epoch"):
+        graphed()  # a ninth step of an 8-step epoch, uncaptured: a replayed graph could not tell
+    with pytest.raises(TypeError, match=r"functools\.partial\(step, size\)"):
+        pieces.cuda_graph(lambda size: step(), SECOND_CLIENT_DEVICE)  # on every device, before any capture
 
 
 def resizing_row(pieces):
-    """Smaller images in the early epochs, the client's model made to take any size as the row says."""
+    """Smaller images in the early epochs, the client's model made to take any size as the row says: global pooling,
+    or pooling to the grid its classifier wants (the second client's)."""
     sizes = pieces.image_sizes(4)  # opt5's defaults: from 16 px, the last 30 % of the epochs at 32
-    assert sizes == [16, 16, 24, 32]
+    assert sizes == [16, 16, 24, 32] and sizes[-1] == 32, "evaluated at the size trained last: the full size"
+    assert pieces.image_sizes(1) == [32] and pieces.image_sizes(2) == [16, 32], "the sizes go by epoch"
     batches = client_batches(client_dataset())
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):  # a classifier sized for 32 x 32
         client_loop(TutorialNet(), [], batches, prepare=lambda images, epoch: pieces.downscale(images, sizes[epoch]))
@@ -320,6 +366,11 @@ def resizing_row(pieces):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     losses = client_loop(model, [optimizer], batches, prepare=lambda images, epoch: pieces.downscale(images,
                                                                                                    sizes[epoch]))
+    assert learned(losses), losses
+    second = GridNet()  # its classifier kept: 16 x 5 x 5 inputs at every size
+    optimizer = torch.optim.SGD(second.parameters(), lr=0.01, momentum=0.9)
+    losses = client_loop(second, [optimizer], batches, prepare=lambda images, epoch: pieces.downscale(images,
+                                                                                                    sizes[epoch]))
     assert learned(losses), losses
 
 
@@ -336,6 +387,11 @@ def muon_row(pieces):
     assert all(not torch.equal(weight, old) for weight, old in zip(filters, before)), "every filter moved"
     singular_values = torch.linalg.svdvals(pieces.orthogonalize(torch.randn(8, 72), 5, torch.float32))
     assert singular_values.min() > 0.6 and singular_values.max() < 1.3
+    second = GridNet()  # Muon beside the second client's own SGD, each at its own rate
+    filters = [parameter for parameter in second.parameters() if parameter.ndim == 4]
+    others = [parameter for parameter in second.parameters() if parameter.ndim != 4]
+    optimizers = [pieces.Muon(filters, lr=0.02), torch.optim.SGD(others, lr=0.05, momentum=0.9)]
+    assert learned(client_loop(second, optimizers, client_batches(client_dataset())))
 
 
 def parallelism_row(pieces):
@@ -475,6 +531,21 @@ def sequence():
         alone, replacements = row_names(optimization)
         pieces += alone + replacements
     return copied(*pieces)
+
+
+def test_the_rows_applied_one_after_another_train_the_second_client_with_muon_beside_its_sgd_at_its_own_rate():
+    pieces = sequence()
+    model = GridNet()
+    filters = [parameter for parameter in model.parameters() if parameter.ndim == 4]
+    others = [parameter for parameter in model.parameters() if parameter.ndim != 4]
+    sgd = torch.optim.SGD(others, lr=torch.tensor(0.1), momentum=0.9)  # uncaptured: its host read is no wait here
+    sgd.param_groups[0]["lr_scale"] = 10  # the client's SGD at 10x the plan's rates, Muon at them
+    muon = pieces.Muon(filters, torch.tensor(0.01))
+    losses, plan = step_epochs(pieces, model, [muon, sgd], device=SECOND_CLIENT_DEVICE, sizes=pieces.image_sizes(4))
+    assert learned(losses), losses
+    last_rate = plan.rates[-1].item()
+    assert (muon.param_groups[0]["lr"].item(), sgd.param_groups[0]["lr"].item()) == (
+        pytest.approx(last_rate), pytest.approx(10 * last_rate))
 
 
 def test_the_rows_applied_one_after_another_train_the_client():

@@ -447,7 +447,7 @@ def parse_args():
     """ablation.py's own flags, and the rest: opt5.py's flags, which opt5's parser checks here, before any row."""
     # allow_abbrev=False: opt5's --seed must reach opt5, not be read as an abbreviation of --seeds
     parser = common.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                    allow_abbrev=False)
+                                   allow_abbrev=False)
     parser.add_argument("--rows", nargs="+", choices=ROW_NAMES, default=ROW_NAMES, metavar="ROW",
                         help=f"the rows to run, in this order, from: {' '.join(ROW_NAMES)} (default: all)")
     parser.add_argument("--json", metavar="PATH", default="results/recipe.jsonl",
@@ -501,7 +501,7 @@ def keep_last_evaluation(timer=None):
 
 def run_row(name, opt5_flags, json_path):
     """Apply the row's technique in this process, run opt5's main(), score the final weights, append one line."""
-    commit = accounting.git_commit()  # read before the run: the row names the code it started with
+    commit = accounting.commit_at_start()
     _, row_flags, techniques, change = ROWS[ROW_NAMES.index(name)]
     for technique in techniques:
         technique(setattr)

@@ -12,7 +12,6 @@ import hashlib
 import statistics
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import torch
@@ -49,9 +48,7 @@ def update_flops(optimizer):
     for group in optimizer.param_groups:
         for parameter in group["params"]:
             parameter.grad = torch.ones_like(parameter) if parameter.requires_grad else None
-    with FlopCounterMode(display=False) as counter, warnings.catch_warnings():
-        # a capturable=True optimizer (opt4's AdamW) warns when it steps uncaptured, as this copy does by design
-        warnings.filterwarnings("ignore", message=".*capturable=True.*")
+    with FlopCounterMode(display=False) as counter:
         optimizer.step()
     return counter.get_total_flops()
 
@@ -129,7 +126,7 @@ def add_work(row):
 
 def git_commit():
     """The commit of the checkout the scripts are in, "+changes" after it where their tracked .py files differ from
-    it; None outside a git checkout (or without git). A tool reads it when it starts, before it runs anything."""
+    it; None outside a git checkout (or without git)."""
     def git(*words):
         return subprocess.run(["git", *words], cwd=ROOT, capture_output=True, text=True, timeout=30)
     try:
@@ -140,6 +137,15 @@ def git_commit():
         return None
     changed = any(not line.startswith("??") for line in changes.stdout.splitlines())
     return commit.stdout.strip() + ("+changes" if changed else "")
+
+
+def commit_at_start():
+    """git_commit(), read as a tool starts, before it runs anything, so that its rows name the code they started
+    with; where it is unknown, one line says so."""
+    commit = git_commit()
+    if commit is None:
+        print("commit unknown: not a git checkout (or git is missing), so the rows' commit is null")
+    return commit
 
 
 def fingerprint(file_md5s):

@@ -438,7 +438,7 @@ def add_rule_flags(parser):
 def parse_args():
     """The command and its flags; for `run`, the rest are opt5.py's flags, which opt5's parser checks here."""
     parser = common.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                    allow_abbrev=False)
+                                   allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True, metavar="{run,decide}")
     run = commands.add_parser("run", allow_abbrev=False, help="run the screen (flags it does not know go to opt5.py)",
                               description="run the screen; flags not listed here go to opt5.py in every run")

@@ -48,7 +48,7 @@ def parse_args(argv=None):
     """warm_clock.py's own flags, and the rest: opt5.py's, which opt5's parser checks here, before any run."""
     # allow_abbrev=False: opt5's flags must reach opt5, not be read as abbreviations of these
     parser = common.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                    allow_abbrev=False)
+                                   allow_abbrev=False)
     parser.add_argument("--runs", type=common.positive_int, default=5,
                         help="timed runs, after the one untimed warm-up run (default: 5)")
     parser.add_argument("--seed", type=int, default=0,
@@ -156,7 +156,7 @@ def summary_row(rows, args, command):
 
 def main(argv=None):
     args, opt5_flags = parse_args(argv)
-    commit = accounting.git_commit()  # read before any run: the rows name the code they started with
+    commit = accounting.commit_at_start()
     given = sys.argv[1:] if argv is None else list(argv)
     command = shlex.join(["python", "tools/warm_clock.py", *given])
     print(f"== warm-up: seed {args.seed}, untimed, not reported", flush=True)
