@@ -287,8 +287,10 @@ def cuda_graph(step, device, warmup_steps=3):
     """`step` (of no arguments, its work on `device`) as one CUDA graph, as PyTorch's whole-network capture: its first
     `warmup_steps` calls run on a side stream (cuDNN's autotuning, the optimizer's first state), the next captures it,
     the rest replay it. Off CUDA, or where the capture fails, it says why in one line and runs `step` as itself."""
-    if any(parameter.default is parameter.empty for parameter in inspect.signature(step).parameters.values()):
-        raise TypeError("cuda_graph replays a step of no arguments: bind them, as functools.partial(step, size)")
+    try:
+        inspect.signature(step).bind()  # a graph replays one call as captured: nothing can be passed to it
+    except TypeError:
+        raise TypeError("cuda_graph replays a step of no arguments: bind them: functools.partial(step, size)") from None
     if torch.device(device).type != "cuda":
         print("step: run as a function, not captured: CUDA graphs are CUDA's")
         return step

@@ -1317,7 +1317,7 @@ def test_bfloat16_only_on_a_cpu_that_runs_it_natively(cpu, monkeypatch):
     capabilities, dtype, unit = CAPABILITIES[cpu]
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"cpu_name": "Test CPU", **capabilities})
     assert common.bfloat16_unit() == unit
-    assert machine.cpu_name() == f"Test CPU ({unit or 'no bf16 unit'})"
+    assert common.cpu_name() == f"Test CPU ({unit or 'no bf16 unit'})"
     for script in ("opt1.py", "opt2.py", *WHOLE_STEP):
         chosen, why = ALL_SCRIPTS[script].autocast_dtype(CPU)
         assert chosen == dtype and why.startswith(str(dtype).removeprefix("torch."))
