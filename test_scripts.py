@@ -3248,6 +3248,13 @@ def test_readme_chain_table_is_the_gpus_rows_each_with_its_commit_and_says_whose
     assert named == changed and "today's code not measured on a GPU" in sentence
 
 
+def test_readmes_zero_ops_outside_the_graph_is_the_h200_trace_counted_by_eager_ops():
+    # 38c59a9's opt3.py was today's opt4.py (the captured step), compiled: every op inside the graph
+    result = run_script("tools/eager_ops.py", "results/h200-38c59a9/opt3-trace.json.gz")
+    assert "outside compiled code: 0.0 (each step: 0, 0, 0, 0, 0, 0)" in result.stdout, result.stderr
+    assert "0 ops a step outside the graph (38c59a9's trace, compiled)" in (ROOT / "README.md").read_text()
+
+
 def test_readmes_first_screen_says_what_the_first_command_gives_on_the_h200_and_a_cpu():
     lines = (ROOT / "README.md").read_text().splitlines()
     first_screen = " ".join(lines[:40])
@@ -3321,6 +3328,10 @@ def test_readme_cpu_figures_are_the_measured_data():
     assert f"in the recipe, {recipe[0]['modelled_h200_seconds']:.2f} modelled H200 s instead of " \
            f"{no_resizing[0]['modelled_h200_seconds']:.2f} for {100 * no_resizing[0]['2_views'] - mean:.2f} points " \
            "less (CPU, one seed)" in (ROOT / "results/README.md").read_text()
+    adamw = [row for row in json_lines("recipe.jsonl") if row.get("row") == "adamw" and
+             plot.row_is_at_the_recipes_length(row)]
+    assert len(adamw) == 1 and f"+{mean - 100 * adamw[0]['2_views']:.2f} points at the recipe's length (CPU, one " \
+        "seed)" in readme
     data_parallel = json_lines("data-parallel.jsonl")[-1]
     assert data_parallel["script"] == "opt6.py" and data_parallel["world_size"] == 2  # it ran as opt5.py
     assert f"2 CPU processes end with the same weights, {100 * data_parallel['final_test_accuracy']:.1f} % " \
