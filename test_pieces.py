@@ -394,12 +394,17 @@ def muon_row(pieces):
     assert learned(client_loop(second, optimizers, client_batches(client_dataset())))
 
 
+def free_port():
+    """A port on 127.0.0.1 that nothing listens on, for a process group's rendezvous."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        return free.getsockname()[1]
+
+
 def parallelism_row(pieces):
     """In a one-process gloo group started as torchrun starts it: the group, a DDP step, the BatchNorm buffers averaged;
     and two ranks' shares of one epoch drawn alike: disjoint, together the global batches."""
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
+    port = free_port()
     torchrun = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     saved = {name: os.environ.get(name) for name in torchrun}
     os.environ.update(torchrun)
@@ -470,9 +475,7 @@ def test_the_data_parallel_row_copied_into_a_client_file_trains_two_ranks_to_equ
     # gradients and the averaged BatchNorm statistics leave both ranks with the same model
     client = tmp_path / "client_ddp.py"
     client.write_text(copied_source(*row_names("data parallelism")[0]) + DDP_CLIENT)
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
+    port = free_port()
     started = time.monotonic()
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                              f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-backend=c10d", str(client),
