@@ -173,7 +173,7 @@ def onecycle_schedule(max_lr, total_steps, device, pct_start=RECIPE["pct_start"]
     return torch.tensor(rates, device=device)
 
 
-def adamw(parameters, lr, device, weight_decay=RECIPE["weight_decay"]):
+def adamw(parameters, lr, device, weight_decay=RECIPE["weight_decay"]):  # opt5: the recipe's, stated once
     """torch's fused AdamW with its learning rate in a tensor on `device`."""
     # opt1: AdamW scales each weight's step by its recent gradients, so one rate suits every layer untuned
     # opt3: fused: one op reads and writes each weight once (a few multi-tensor launches on a GPU), not a dozen passes
@@ -224,7 +224,7 @@ class Muon(torch.optim.Optimizer):
                 filter_.add_(matrix.view_as(filter_) * lr, alpha=-0.2 * max(matrix.shape) ** 0.5)
 
 
-def micro_batch_loss(model, criterion, plan, micro_batch, amp_dtype, size):
+def micro_batch_loss(model, criterion, plan, micro_batch, amp_dtype, size):  # opt5: the side it trains at
     """The loss (over the plan's accum_steps) of micro-batch `micro_batch` of the step at the plan's cursor, its images
     gathered, normalized, cropped, flipped and shrunk to size x size on the device; loss, correct count in the plan."""
     # opt4: the micro-batch found by the plan's cursor on the device: a Python index would be baked into the graph
@@ -275,6 +275,7 @@ def make_train_step(model, criterion, optimizers, plan, amp_dtype=torch.float32,
         # the step reruns uncaptured and backward makes them anew
         model.zero_grad()
         for micro_batch in range(plan.accum_steps):
+            # opt5: the micro-batch at the step's image size
             loss = micro_batch_loss(model, criterion, plan, micro_batch, amp_dtype, size)
             # opt1: float16 gradients can underflow to zero; GradScaler scales the loss up, then back
             scaler.scale(loss).backward()

@@ -8,19 +8,17 @@ recipe, a 1,000-image test subset after epochs 1-19 at their sizes (16 px x7, 24
 
 One small compile runs first in both, as opt5's step compiles before any evaluation (inductor's start-up). Run each
 mode in its own process with an empty inductor cache, as a first run meets it:
-    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python tools/evaluations.py compiled
+    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python lab/evaluations.py compiled
 
 Its flags shrink the sets and the batch for a quick check (a test runs eager at 16 and 40 images, batch 32).
 """
 import argparse
-import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import root  # noqa: F401  (first: the repository's root on sys.path, for the scripts and common.py)
 import common  # noqa: E402
 import opt5  # noqa: E402
 

@@ -1,7 +1,7 @@
-"""plot.py: draw the README's figures from the measured data in results/.
+"""plot.py: draw the README's figures from the measured data in lab/results/.
 
-    python tools/plot.py            # each script's newest H200 row (GPU_RUNS) -> results/chain.png; CPU runs -> cpu.png
-    python tools/plot.py --tables   # the same data, and ablation.py's rows, as the markdown tables of results/README.md
+    python lab/plot.py            # each script's newest H200 row (GPU_RUNS) -> lab/results/chain.png; CPU's: cpu.png
+    python lab/plot.py --tables   # the same data, and ablation.py's rows, as the markdown tables of lab/README.md
 
 chain.png, the GPU's: each script's steady images/s at its defaults, and where each run's seconds from launch to
 result went (before the first epoch, the first epoch with its warm-up, the rest), with its test accuracy and commit.
@@ -19,11 +19,9 @@ import re
 import shlex
 import statistics
 import subprocess
-import sys
 from pathlib import Path
 
-# the chain and common.py; and ablation.py and accounting.py beside this file, however this file is run
-sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
+import root  # noqa: F401  (first: the repository's root on sys.path, for the scripts and common.py)
 import ablation  # noqa: E402
 import accounting  # noqa: E402
 import benchmark  # noqa: E402
@@ -37,9 +35,10 @@ CHAIN_ORDER = {script: index for index, script in enumerate(benchmark.SCRIPTS)}
 # The newest row of each script on an H200: today's code where it ran (4faed98), then the chain after the whole step
 # moved onto the device (38c59a9) for the scripts that did not; and before it (--gpu gives those to --tables).
 # Data files keep the names their runs had: h200-38c59a9/opt4-cold-cache.jsonl is today's opt5 (the recipe)
-GPU_RUNS = ["results/h200-4faed98/chain.jsonl",
-            *(f"results/h200-38c59a9/{name}.jsonl" for name in ("chain-cold-cache", "opt4-cold-cache"))]
-GPU_RUNS_BEFORE = [f"results/h200-410ebec/{name}.jsonl" for name in ("chain-cold-cache", "warm-cache", "bigger-batch")]
+GPU_RUNS = ["lab/results/h200-4faed98/chain.jsonl",
+            *(f"lab/results/h200-38c59a9/{name}.jsonl" for name in ("chain-cold-cache", "opt4-cold-cache"))]
+GPU_RUNS_BEFORE = [f"lab/results/h200-410ebec/{name}.jsonl"
+                   for name in ("chain-cold-cache", "warm-cache", "bigger-batch")]
 
 
 def parse_args():
@@ -47,36 +46,36 @@ def parse_args():
     parser.add_argument("--gpu", nargs="+", default=GPU_RUNS,
                         help=f"the scripts' --json lines of real-data runs on a GPU, newest first: a script's run "
                              f"with the same flags in a later file is left out (default: {' '.join(GPU_RUNS)})")
-    parser.add_argument("--runs", default="results/chain-5-epochs.jsonl",
-                        help="the scripts' --json lines of real-data runs (default: results/chain-5-epochs.jsonl)")
-    parser.add_argument("--ladder", default="results/ladder.jsonl",
-                        help="benchmark.py --ladder --json output (default: results/ladder.jsonl)")
-    parser.add_argument("--convergence", default="results/convergence.jsonl",
+    parser.add_argument("--runs", default="lab/results/chain-5-epochs.jsonl",
+                        help="the scripts' --json lines of real-data runs (default: lab/results/chain-5-epochs.jsonl)")
+    parser.add_argument("--ladder", default="lab/results/ladder.jsonl",
+                        help="benchmark.py --ladder --json output (default: lab/results/ladder.jsonl)")
+    parser.add_argument("--convergence", default="lab/results/convergence.jsonl",
                         help="real-data runs of opt4.py and opt5.py with their launch times "
-                             "(default: results/convergence.jsonl)")
-    parser.add_argument("--curve", default="results/curve.jsonl",
+                             "(default: lab/results/convergence.jsonl)")
+    parser.add_argument("--curve", default="lab/results/curve.jsonl",
                         help="real-data runs of opt4.py and opt5.py at several --epochs, one CPU, one sitting "
-                             "(default: results/curve.jsonl)")
-    parser.add_argument("--seeds", default="results/seeds.jsonl",
+                             "(default: lab/results/curve.jsonl)")
+    parser.add_argument("--seeds", default="lab/results/seeds.jsonl",
                         help="real-data runs of opt4.py and opt5.py at their default --epochs with seeds other than "
-                             "the curve's (default: results/seeds.jsonl)")
-    parser.add_argument("--muon", nargs="+", default=["results/muon.jsonl", "results/muon-xeon-amx.jsonl"],
+                             "the curve's (default: lab/results/seeds.jsonl)")
+    parser.add_argument("--muon", nargs="+", default=["lab/results/muon.jsonl", "lab/results/muon-xeon-amx.jsonl"],
                         help="real-data runs of opt4.py and of opt5.py with each --optimizer, one file per CPU "
-                             "(default: results/muon.jsonl results/muon-xeon-amx.jsonl)")
-    parser.add_argument("--recipe", default="results/recipe.jsonl",
+                             "(default: lab/results/muon.jsonl lab/results/muon-xeon-amx.jsonl)")
+    parser.add_argument("--recipe", default="lab/results/recipe.jsonl",
                         help="runs of the recipe work: opt5 with the flags tried, scored on held-out training images "
                              "(--validation) or the test set, and ablation.py's rows at its length, for --tables "
-                             "(default: results/recipe.jsonl)")
-    parser.add_argument("--screen", default="results/screen.jsonl",
+                             "(default: lab/results/recipe.jsonl)")
+    parser.add_argument("--screen", default="lab/results/screen.jsonl",
                         help="ablation.py's bundle rows on held-out training images (--validation), for --tables "
-                             "(default: results/screen.jsonl)")
-    parser.add_argument("--ablation", default="results/ablation.jsonl",
+                             "(default: lab/results/screen.jsonl)")
+    parser.add_argument("--ablation", default="lab/results/ablation.jsonl",
                         help="ablation.py's rows from before the recipe (AdamW, 5 epochs of batch 128), for --tables "
-                             "(default: results/ablation.jsonl)")
-    parser.add_argument("--out", default="results/chain.png",
-                        help="the GPU figure to write (default: results/chain.png)")
-    parser.add_argument("--cpu-out", default="results/cpu.png",
-                        help="the CPU figure to write (default: results/cpu.png)")
+                             "(default: lab/results/ablation.jsonl)")
+    parser.add_argument("--out", default="lab/results/chain.png",
+                        help="the GPU figure to write (default: lab/results/chain.png)")
+    parser.add_argument("--cpu-out", default="lab/results/cpu.png",
+                        help="the CPU figure to write (default: lab/results/cpu.png)")
     parser.add_argument("--tables", action="store_true", help="print markdown tables instead of drawing (default: off)")
     parser.add_argument("--step-table", metavar="PATH",
                         help="print the median ms a step at each batch and image size in PATH's rows (a GPU's, to fit "
@@ -89,7 +88,7 @@ def gpu_runs(paths):
     script and the flags it was given beyond the data, device, JSON and `--epochs 5`, and "warm cache" where the
     file's name says its compiler cache was. `paths` go newest first: a name a file has is not taken from a later one;
     within a file the latest row (by its date) of a name is taken.
-    A run's commit is its folder's (results/h200-38c59a9/: 38c59a9), the code the folder's runs measured: a row may name
+    A run's commit is its folder's (lab/results/h200-38c59a9/: 38c59a9), the code the folder's runs measured: a row may name
     an older one (h200-410ebec/'s name none; h200-38c59a9/'s say ffd0304 and ffd0304+changes: its README says why)."""
     runs = {}
     for path in paths:
@@ -162,16 +161,16 @@ def changed_since(commit, names):
     (today's name) its name at that commit, the one its rows ran under (`scripts_then`). None where git, the commit or
     the file then is not at hand (common.py and machine.py not counted: they hold no optimization; as_today reads a
     module since dissolved into common.py as common)."""
-    changed, root = [], Path(__file__).resolve().parent.parent
+    changed, checkout = [], Path(__file__).resolve().parent.parent  # the checkout this file is in
     for script, then in names.items():
         try:  # git show, not git diff: the file may have had another name then
-            old = subprocess.run(["git", "show", f"{commit}:{then}"], capture_output=True, text=True, cwd=root,
+            old = subprocess.run(["git", "show", f"{commit}:{then}"], capture_output=True, text=True, cwd=checkout,
                                  timeout=30)
         except (OSError, subprocess.SubprocessError):
             return None
         if old.returncode != 0:
             return None
-        before, now = as_today(old.stdout.splitlines()), (root / script).read_text().splitlines()
+        before, now = as_today(old.stdout.splitlines()), (checkout / script).read_text().splitlines()
         matcher = difflib.SequenceMatcher(None, before, now, autojunk=False)
         lines = [line for tag, start, end, new_start, new_end in matcher.get_opcodes() if tag != "equal"
                  for line in before[start:end] + now[new_start:new_end]]
@@ -264,7 +263,7 @@ def draw_gpu(runs, out, words):
 
 
 # A row without "chain" (common.CHAIN_NUMBERING) names the scripts as they were before opt3 was split in two
-# (results/README.md): today's opt4 was opt3.py, the recipe opt4.py, DDP opt5.py
+# (lab/README.md): today's opt4 was opt3.py, the recipe opt4.py, DDP opt5.py
 BEFORE_THE_SPLIT = {"opt3.py": "opt4.py", "opt4.py": "opt5.py", "opt5.py": "opt6.py"}
 # and before e8e4e0a, committed at this time (a row's "date" is its machine's clock), opt4.py was the DDP script
 OPT4_WAS_DDP_UNTIL = "2026-11-24T01:46:32"
@@ -391,7 +390,7 @@ def ablation_rows(lines):
     """The last real-CIFAR-10 line of each ablation.py row, in the order the rows first appear."""
     rows = {line["row"]: line for line in lines if line.get("data") == "cifar10" and "row" in line}
     if "shipped" not in rows:
-        common.fail("no real-CIFAR-10 `shipped` row in --ablation; make it with python tools/ablation.py")
+        common.fail("no real-CIFAR-10 `shipped` row in --ablation; make it with python lab/ablation.py")
     return list(rows.values())
 
 

@@ -2,7 +2,7 @@
 one process, in alternating blocks (so whatever else the machine does falls on both alike), and what compiling costs
 the first time (run it with an empty inductor cache, as a first run meets it):
 
-    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python tools/compile_cpu.py
+    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python lab/compile_cpu.py
 
 Random images and a random ResNet10 at opt4's defaults (batch 128, bfloat16 where the CPU has a unit for it): the work
 does not depend on the values. The last line projects opt4's default run (--epochs 5: 1,950 steps, 5 evaluations of
@@ -11,15 +11,13 @@ the 10,000 test images) both ways. Its flags shrink it for a quick check (a test
 """
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import root  # noqa: F401  (first: the repository's root on sys.path, for the scripts and common.py)
 import common  # noqa: E402
 import opt4  # noqa: E402
 

@@ -1,8 +1,8 @@
 """screen.py: one device call screens the recipe's next seconds: ablation.py's rows in two stages under one deadline,
 then the rules below decide, by themselves, what is kept.
 
-    python tools/screen.py run --device cuda --data-dir ./data --json results/screen-gpu.jsonl   # one GPU call, ~8 min
-    python tools/screen.py decide results/screen-gpu.jsonl                                  # the rules, again, later
+    python lab/screen.py run --device cuda --data-dir ./data --json lab/results/screen-gpu.jsonl   # one GPU call, ~8 min
+    python lab/screen.py decide lab/results/screen-gpu.jsonl                                  # the rules, again, later
 
 Where the recipe's seconds go on an H200 (opt5's defaults: 20 epochs of batch 512, 7/7/6 at 16/24/32 px, Muon):
 ~15 s from launch, of which 3.3 s before the first step, ~4 s in the first epoch at each image size above its steady
@@ -39,8 +39,8 @@ The rules (each a function below; the thresholds are the constants under RULES):
 A rule with too few runs (the recipe's 2 held-out runs, a row's run, a bundle's 5 test-set seeds) says "not decided"
 and why, rather than guess.
 
-On a GPU, in one call: `python tools/screen.py run --device cuda --data-dir ./data --json results/screen-gpu.jsonl`.
-Each run is one `tools/ablation.py --row NAME --seed S [--validation 5000] --json OUT` process (the row in that
+On a GPU, in one call: `python lab/screen.py run --device cuda --data-dir ./data --json lab/results/screen-gpu.jsonl`.
+Each run is one `lab/ablation.py --row NAME --seed S [--validation 5000] --json OUT` process (the row in that
 process: one start of Python and torch a run), most valuable first, and each appends ablation.py's own line to OUT;
 flags screen.py does not know go to every run (opt5's: --device, --data-dir, ...). Before each run it checks the run
 fits in the time left to --deadline (seconds since screen.py started, default 480: a 10-minute call with room to
@@ -48,7 +48,7 @@ spare), by the longest run so far (20 s before the first); when not, it stops an
 still going at the deadline is stopped. It prints a line before each run, the runs' own output, then the phases of
 every row and one line per decision: kept, dropped or not decided, with the figures behind it (from this call's rows:
 OUT may hold earlier ones). A run that fails is named and the screen goes on without it, then exits 1. Bring OUT
-back; `python tools/screen.py decide OUT` prints the decisions from all its rows (with --recipe-mean or
+back; `python lab/screen.py decide OUT` prints the decisions from all its rows (with --recipe-mean or
 --recipe-changed if the recipe moved on, --time-rows and --bundles if the run named other rows).
 """
 import argparse
@@ -60,13 +60,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-# the chain and common.py; and ablation.py beside this file, however this file is run
-sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
+import root  # noqa: F401  (first: the repository's root on sys.path, for the scripts and common.py)
 import ablation  # noqa: E402
 import common  # noqa: E402
+from root import LAB  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent  # tools/, beside ablation.py
-ABLATION = ROOT / "ablation.py"
+ABLATION = LAB / "ablation.py"
 
 # The rows: ablation.py's
 RECIPE_ROW = "shipped"
@@ -78,7 +77,7 @@ VALIDATION = 5000  # stage 1's held-out training images
 DEADLINE_SECONDS = 480
 FIRST_RUN_ESTIMATE_SECONDS = 20  # a recipe run from launch on an H200 is ~15 s
 # The recipe's mean test-set accuracy on an H200, five runs at 4faed98 (90.44, 90.26, 90.26, 90.37, 90.60: the first
-# three in results/h200-4faed98/chain.jsonl, the other two printed there, results/README.md); valid while opt5's
+# three in lab/results/h200-4faed98/chain.jsonl, the other two printed there, lab/README.md); valid while opt5's
 # training is unchanged since, else --recipe-changed
 RECIPE_TEST_MEAN = 90.39
 

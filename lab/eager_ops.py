@@ -1,6 +1,6 @@
 """Count the kernel-launching ops a traced training step runs outside compiled code.
 
-    python tools/eager_ops.py TRACE
+    python lab/eager_ops.py TRACE
 
 TRACE is what a script's `--profile DIR` wrote (torch.profiler's tensorboard_trace_handler, Chrome trace JSON): the
 folder DIR (its newest trace is read), or one trace file, `.json` or gzipped `.json.gz`.

@@ -5,21 +5,19 @@ step (compile, cuDNN autotuning, warm-up, capture) and the steady ms a step (med
 events). The step is opt4's in outline (a batch gathered from uint8 images on the GPU and normalized, bfloat16
 autocast, channels_last, label smoothing 0.1, fused AdamW with its rate in a tensor), not opt4's own code.
 
-    python tools/capture_probe.py [--compiled]
+    python lab/capture_probe.py [--compiled]
 
 On a CPU it runs one tiny configuration uncaptured, as a rehearsal.
 """
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import root  # noqa: F401  (first: the repository's root on sys.path, for the scripts and common.py)
 import common  # noqa: E402
 
 

@@ -1,8 +1,10 @@
-"""Tests for benchmark.py's seeds and spread: fake scripts stand in for the chain, so they take seconds, not minutes.
-`python -m pytest -q test_benchmark.py`."""
+"""lab/benchmark.py: the chain, or the ladder, as one table. Its seeds and spread with fake scripts standing in for the
+chain (seconds, not minutes); then the real chain at a toy size, by the README's command."""
 import inspect
 import json
 import os
+import re
+import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -10,9 +12,11 @@ from types import SimpleNamespace
 
 import pytest
 
-import benchmark
-
-ROOT = Path(__file__).resolve().parent
+import root  # noqa: F401  (first: the repository's root on sys.path, for the scripts and common.py)
+import accounting  # noqa: E402
+import benchmark  # noqa: E402
+from conftest import ALL_SCRIPTS, ROOT, SMALL, copy_without_git, run_python, write_tiny_cifar10  # noqa: E402
+from root import LAB  # noqa: E402
 
 # A stand-in for a chain script: it logs its arguments and writes a --json row whose figures follow from its seed,
 # with no torch import, so a round takes milliseconds.
@@ -230,5 +234,129 @@ def test_benchmark_functions_take_at_most_six_parameters_and_lines_fit_120_chara
                  if inspect.isfunction(value) and value.__module__ == benchmark.__name__]
     parameters = {function.__name__: len(inspect.signature(function).parameters) for function in functions}
     assert "run_once" in parameters and {name: count for name, count in parameters.items() if count > 6} == {}
-    for path in (ROOT / "benchmark.py", Path(__file__)):
+    for path in (LAB / "benchmark.py", Path(__file__)):
         assert [number for number, line in enumerate(path.read_text().splitlines(), 1) if len(line) > 120] == [], path
+
+
+# ------------------------------------------------------------------------------------ benchmark
+
+def test_benchmark_measures_the_chain_by_the_readmes_command_on_a_cpu(tmp_path):
+    # The README's command, then what makes it small here: the last of a repeated flag wins
+    command = re.search(r"^python lab/benchmark\.py [^#\n]*?(?=\s*(#|$))", (ROOT / "README.md").read_text(), re.M)[0]
+    json_path = tmp_path / "chain.jsonl"
+    # 515 images: 8 steps of 64, 4 of 128 and 1 of 512 an epoch, so 5 epochs for OneCycleLR's 5 steps at opt5's batch
+    write_tiny_cifar10(tmp_path / "data", train_per_file=103, test_size=64)  # not the official bytes: none checks them
+    result = run_python(*shlex.split(command)[1:], "--device", "cpu", "--train-size", 512, "--epochs", 5,
+                        "--data-dir", tmp_path / "data", "--json", json_path)
+    assert result.returncode == 0, result.stderr
+    table = [line.split("|")[1:-1] for line in result.stdout.splitlines() if line.startswith("| ")][1:]  # no header
+    scripts = ["baseline.py", "opt1.py", "opt2.py", "opt3.py", "opt4.py", "opt5.py"]
+    assert [cells[0].strip() for cells in table] == scripts and table[0][2].strip() == "1.00x"
+    *runs, summary = [json.loads(line) for line in json_path.read_text().splitlines()]
+    # each script's own --json line at its own batch size, named by the commit and the data it ran on
+    fingerprint = accounting.data_fingerprint({"synthetic": False, "data_dir": tmp_path / "data"})
+    assert [run["benchmark_run"] for run in runs] == [run["script"] for run in runs] == scripts
+    assert [run["settings"]["batch_size"] for run in runs] == [64, 64, 128, 128, 128, 512]
+    assert {(run["commit"], run["data_fingerprint"], run["device"]) for run in runs} == \
+        {(accounting.git_commit(), fingerprint, "cpu")}
+    assert summary["benchmark"] == "chain" and [row["name"] for row in summary["rows"]] == scripts
+    opt1_row = summary["rows"][1]
+    assert table[1][1].strip() == f"{opt1_row['images_per_second']['all']:,.0f}"
+    assert table[1][4].strip() == f"{100 * runs[1]['final_test_accuracy']:.2f}"
+    # opt5's 5 epochs train at 16, 16, 24, 32, 32 px: a steady speed at 16 and at 32 px, no single one to compare
+    assert re.fullmatch(r"[\d,]+ at 16 px, [\d,]+ at 32 px", table[5][1].strip()) and table[5][2].strip() == "-"
+
+
+def test_benchmark_marks_a_failed_script_runs_the_rest_and_exits_1(tmp_path):
+    env = copy_without_git(tmp_path, "lab/benchmark.py", "lab/root.py", "lab/accounting.py", "baseline.py", "common.py",
+                           "machine.py")
+    (tmp_path / "broken.py").write_text('import sys\nsys.exit("broken.py: a bad flag")\n')
+    (tmp_path / "silent.py").write_text("# exits 0 with no output and no row\n")
+    json_path = tmp_path / "chain.jsonl"
+    result = run_python(tmp_path / "lab" / "benchmark.py", "--scripts", "broken.py", "baseline.py", "silent.py", *SMALL,
+                        "--epochs", 2, "--train-size", 64, "--json", json_path, env={**env, "TMPDIR": tmp_path})
+    assert result.returncode == 1, result.stderr
+    table = [[cell.strip() for cell in line.split("|")[1:-1]]
+             for line in result.stdout.splitlines() if line.startswith("| ")][1:]  # no header
+    assert [cells[0] for cells in table] == ["broken.py", "baseline.py", "silent.py"]
+    log = re.fullmatch(r"failed \(exit 1; its output in (.+\.log)\)", table[0][1])
+    assert log and "broken.py: a bad flag" in Path(log[1]).read_text() and table[0][2:] == ["-"] * 7
+    assert table[1][2] == "1.00x", "the script after the failed one ran"
+    assert table[2][1] == "failed (no row written)" and table[2][2:] == ["-"] * 7
+    assert "commit unknown (not a git checkout)" in result.stdout
+    assert "commit unknown: not a git checkout (or git is missing), so the rows' commit is null" in result.stdout
+    *runs, summary = [json.loads(line) for line in json_path.read_text().splitlines()]
+    assert [run["script"] for run in runs] == ["baseline.py"] and runs[0]["commit"] is None
+    assert [row["name"] for row in summary["rows"]] == ["baseline.py"]
+    assert summary["failed"] == {"broken.py": table[0][1], "silent.py": table[2][1]}
+
+
+def test_benchmark_speedup_is_each_scripts_speed_over_baselines():
+    def reports(images_per_second, sizes=None):
+        epochs = [{"train_seconds": 10.0, "images": 1000, "steps": 10, "image_size": size} for size in sizes or []]
+        return [{"steady_images_per_second": images_per_second, "steady_ms_per_step": 1.0, "total_seconds": 50.0,
+                 "launch_to_result_seconds": 60.0, "peak_memory_bytes": 2**30, "final_test_accuracy": 0.5,
+                 "settings": {"batch_size": 128}, "epochs": epochs or [{"train_seconds": 12.0}]}]
+
+    results = {"baseline.py": reports(100.0), "opt1.py": reports(250.0), "opt2.py": reports(50.0),
+               "opt5.py": reports(None, sizes=[16, 16, 24, 32, 32])}
+    rows = [row.split("|")[1:-1] for row in benchmark.chain_table(results).splitlines()[2:]]
+    assert [row[2].strip() for row in rows] == ["1.00x", "2.50x", "0.50x", "-"]
+    # opt5: each size's epochs after its first; 24 px trained once, compiling, so it has none
+    assert rows[3][1].strip() == "100 at 16 px, 100 at 32 px" and rows[3][3].strip() == "1000.0 at 16 px, 1000.0 at " \
+        "32 px (128)"
+    assert [cell.strip() for cell in rows[0][4:8]] == ["50.00", "60.0", "12.0", "10.0"]
+
+
+def test_benchmark_ladder_compares_each_rung_with_the_one_it_adds_to():
+    speeds = {"baseline": 100.0, "opt1 eager": 200.0, "opt1": 250.0, "opt2, 0 workers": 240.0,
+              "opt2, 2 workers": 200.0, "opt3": 180.0, "opt4": 360.0, "opt4 + compile": 300.0}
+    results = {rung: [{"steady_images_per_second": speed, "achieved_tflops": 0.1, "steady_ms_per_step": 1.0,
+                       "warmup_seconds": 0.0, "peak_memory_bytes": 2**30, "final_test_accuracy": 0.5}]
+               for rung, speed in speeds.items()}
+    rows = [row.split("|")[1:-1] for row in benchmark.ladder_table(results, peak_tflops=1.0).splitlines()[2:]]
+    by_rung = {row[0].strip(): [cell.strip() for cell in row] for row in rows}
+    assert list(by_rung) == list(speeds)
+    assert by_rung["opt1"][5:8] == ["opt1 eager", "1.25x", "2.50x"]
+    assert by_rung["opt3"][5:8] == ["opt2, 0 workers", "0.75x", "1.80x"]
+    assert by_rung["opt4"][5:8] == ["opt3", "2.00x", "3.60x"]
+    assert by_rung["opt4"][3] == "no host sync; the step captured as one CUDA graph" and by_rung["opt1"][3] == "-"
+
+
+def test_benchmark_ladder_marks_a_failed_rung_and_what_it_cannot_compare():
+    results = {rung: [{"steady_images_per_second": 100.0, "achieved_tflops": 0.1, "steady_ms_per_step": 1.0,
+                       "warmup_seconds": 0.0, "peak_memory_bytes": 2**30, "final_test_accuracy": 0.5}]
+               for rung, *_ in benchmark.LADDER}
+    results["opt1 eager"] = []
+    table = benchmark.ladder_table(results, peak_tflops=1.0, failures={"opt1 eager": "failed (exit 1)"})
+    by_rung = {cells[0]: cells for cells in ([cell.strip() for cell in row.split("|")[1:-1]]
+                                             for row in table.splitlines()[2:])}
+    assert list(by_rung) == [rung for rung, *_ in benchmark.LADDER]
+    assert by_rung["opt1 eager"][4:] == ["failed (exit 1)"] + ["-"] * 7
+    assert by_rung["opt1"][5:8] == ["opt1 eager", "-", "1.00x"], "no speedup over a rung that failed"
+
+
+@pytest.mark.parametrize("rung, script, flags", [rung[:3] for rung in benchmark.LADDER])
+def test_every_ladder_rung_is_a_command_its_script_accepts(rung, script, flags, monkeypatch):
+    monkeypatch.setattr(sys, "argv", [script, *flags])
+    args = ALL_SCRIPTS[script].parse_args()
+    compiled_by_default = script in ("opt1.py", "opt2.py")  # opt4 on: off by default, the step captured uncompiled
+    assert getattr(args, "compile", False) == ("--compile" in flags
+                                               or compiled_by_default and "--no-compile" not in flags)
+
+
+def test_benchmark_rejects_one_epoch():
+    result = run_python("lab/benchmark.py", "--epochs", 1)
+    assert result.returncode == 2 and "steady state excludes epoch 1" in result.stderr
+
+
+def test_the_readmes_benchmark_command_runs_from_a_clone_on_generated_data(tmp_path):
+    # `python lab/benchmark.py` from the repository's root, as the README gives it, at a toy size on generated data
+    json_path = tmp_path / "chain.jsonl"
+    result = run_python("lab/benchmark.py", "--device", "cpu", "--synthetic", "--scripts", "baseline.py", "--epochs", 2,
+                        "--train-size", 128, "--test-size", 32, "--json", json_path)
+    assert result.returncode == 0, result.stderr
+    table = [line.split("|")[1:-1] for line in result.stdout.splitlines() if line.startswith("| ")][1:]
+    assert [cells[0].strip() for cells in table] == ["baseline.py"] and table[0][2].strip() == "1.00x"
+    run, summary = [json.loads(line) for line in json_path.read_text().splitlines()]
+    assert run["data"] == "synthetic" and summary["command"].startswith("python lab/benchmark.py --device cpu")

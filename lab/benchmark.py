@@ -1,14 +1,14 @@
 """benchmark.py: the chain on your machine, as one table.
 
-    python benchmark.py --json my-gpu.jsonl       # each script at its defaults on CIFAR-10 (./data, downloaded)
-    python benchmark.py --ladder --device cuda --train-size 50000 --test-size 10000 --epochs 3
+    python lab/benchmark.py --json my-gpu.jsonl   # each script at its defaults on CIFAR-10 (./data, downloaded)
+    python lab/benchmark.py --ladder --device cuda --train-size 50000 --test-size 10000 --epochs 3
 
 The chain (the default): baseline.py, opt1.py, ... opt5.py one after the other, each at its own defaults (batch,
 learning rate, epochs: 5, and opt5's recipe 20) on real data, each in its own process: what `python optN.py` gives
 you. The table has its steady images/s (epochs 2 on; per image size for opt5), the speedup over baseline.py's, its
 test accuracy, the seconds from launch to result, the first epoch's seconds (compiling included) and the seconds
-before the first step. With --json every script's own --json line is appended (the rows results/ holds) with what
-tools/accounting.py adds (the commit, the data's fingerprint, FLOPs and the modelled H200 time), then one line with
+before the first step. With --json every script's own --json line is appended (the rows lab/results/ holds) with what
+lab/accounting.py adds (the commit, the data's fingerprint, FLOPs and the modelled H200 time), then one line with
 the table. A script that fails (exits non-zero or writes no row) is marked failed in the table, with where
 its output is; the rest still run, and benchmark.py exits 1 after the table.
 
@@ -38,11 +38,10 @@ from pathlib import Path
 
 import torch
 
-import common
-
-ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT / "tools"))
+import root  # noqa: F401  (first: the repository's root on sys.path, for the scripts and common.py)
 import accounting  # noqa: E402  (the FLOPs, the modelled H200 time, the commit and the data's fingerprint of a row)
+import common  # noqa: E402
+from root import ROOT  # noqa: E402  (where the scripts are)
 
 SCRIPTS = ["baseline.py", "opt1.py", "opt2.py", "opt3.py", "opt4.py", "opt5.py"]  # the chain (opt6 runs under torchrun)
 # The ladder: each rung switches on one group of optimizations with a flag the scripts already have.
@@ -362,7 +361,7 @@ def main():
     ran = {name: reports for name, reports in results.items() if name not in failures}
     summary = {"benchmark": "ladder" if args.ladder else "chain", "chain": common.CHAIN_NUMBERING,
                "date": datetime.datetime.now().isoformat(timespec="seconds"),
-               "command": shlex.join(["python", "benchmark.py", *sys.argv[1:]])}
+               "command": shlex.join(["python", "lab/benchmark.py", *sys.argv[1:]])}
     print()
     if ran:
         first = next(iter(ran.values()))[0]

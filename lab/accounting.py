@@ -2,8 +2,8 @@
 model fitted to measured steps, the commit its code came from and which data it read.
 
 A script's --json row holds what the run measured (settings, each epoch's seconds, steps and accuracy); benchmark.py,
-tools/ablation.py and tools/warm_clock.py add these fields to the rows they write (add_work, add_provenance), and
-tools/plot.py adds the work to older rows that lack it, so a training run never spends its seconds counting.
+lab/ablation.py and lab/warm_clock.py add these fields to the rows they write (add_work, add_provenance), and
+lab/plot.py adds the work to older rows that lack it, so a training run never spends its seconds counting.
 """
 import collections
 import copy
@@ -11,15 +11,13 @@ import functools
 import hashlib
 import statistics
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # the chain and common.py, however this file is imported
+import root  # noqa: F401  (first: the repository's root on sys.path, for the scripts and common.py)
 import common  # noqa: E402
 
 
@@ -78,9 +76,9 @@ def step_update_flops(settings):
 # A GPU's training time, modelled (how the recipe work is counted): a step costs a fixed part (its launch, the
 # update, the kernels too small to fill the GPU) plus a part for each image x pixel it trains on, fitted by least
 # squares to steps measured on an H200: (images a step, image side, ms a step). PROVISIONAL: these are the probe's
-# uncompiled step captured with AdamW alone (results/h200-d264298/capture-probe-2.log), not the recipe script's own
+# uncompiled step captured with AdamW alone (lab/results/h200-d264298/capture-probe-2.log), not the recipe script's own
 # default path, and a step with Muon adds H200_MUON_STEP_SECONDS, the gap between this fit and the steps compiled
-# with Muon (results/README.md, "The modelled H200 time")
+# with Muon (lab/README.md, "The modelled H200 time")
 H200_MEASURED_STEPS = [(128, 32, 1.806), (512, 16, 1.862), (512, 24, 3.157), (512, 32, 4.793)]
 H200_MUON_STEP_SECONDS = 0.6e-3
 H200_MODEL = "provisional: fitted to the uncompiled step captured with AdamW alone, +0.6 ms a step with Muon"
@@ -128,9 +126,10 @@ def git_commit():
     """The commit of the checkout the scripts are in, "+changes" after it where their tracked .py files differ from
     it; None outside a git checkout (or without git)."""
     def git(*words):
-        return subprocess.run(["git", *words], cwd=ROOT, capture_output=True, text=True, timeout=30)
+        # the checkout this file is in: git finds it from lab/ as from the root
+        return subprocess.run(["git", *words], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=30)
     try:
-        commit, changes = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "--", "*.py")
+        commit, changes = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "--", ":(top)*.py")
     except (OSError, subprocess.SubprocessError):
         return None
     if commit.returncode != 0:

@@ -1,7 +1,7 @@
 """warm_clock.py: opt5's recipe timed as airbench times itself: N runs in one warm process, after an untimed warm-up.
 
-    python tools/warm_clock.py --device cuda --data-dir ./data                  # 5 runs, seeds 0-4, printed
-    python tools/warm_clock.py --runs 3 --seed 10 --json /tmp/warm.jsonl --synthetic --epochs 2 --train-size 2048
+    python lab/warm_clock.py --device cuda --data-dir ./data                  # 5 runs, seeds 0-4, printed
+    python lab/warm_clock.py --runs 3 --seed 10 --json /tmp/warm.jsonl --synthetic --epochs 2 --train-size 2048
 
 What it measures: airbench (the CIFAR-10 speed records) times, inside one process that has already trained once,
 each run's training epochs and its final (test-time-augmented) evaluation of the whole test set, and nothing else.
@@ -21,7 +21,7 @@ of the run); elsewhere it is the device's clock, common.now(device) (on a CPU, t
 Every flag not listed below is opt5.py's (see `python opt5.py --help`) and goes to every run. It prints each run's
 seconds and test accuracy, then their mean and standard deviation (statistics.stdev, n - 1; none for one run), min
 and max. With --json, one line per timed run: opt5's own --json row (its launch_to_result_seconds still counts from
-this process's start, earlier runs included) with what tools/accounting.py adds (commit, data fingerprint, FLOPs),
+this process's start, earlier runs included) with what lab/accounting.py adds (commit, data fingerprint, FLOPs),
 "clock": "warm" and the run's warm seconds, then one summary line.
 """
 import argparse
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]  # chain, tools
+import root  # noqa: F401  (first: the repository's root on sys.path, for the scripts and common.py)
 import ablation  # noqa: E402
 import accounting  # noqa: E402
 import common  # noqa: E402
@@ -158,7 +158,7 @@ def main(argv=None):
     args, opt5_flags = parse_args(argv)
     commit = accounting.commit_at_start()
     given = sys.argv[1:] if argv is None else list(argv)
-    command = shlex.join(["python", "tools/warm_clock.py", *given])
+    command = shlex.join(["python", "lab/warm_clock.py", *given])
     print(f"== warm-up: seed {args.seed}, untimed, not reported", flush=True)
     timed_run(opt5_flags, args.seed)
     rows = []

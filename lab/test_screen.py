@@ -11,11 +11,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "tools"))  # screen.py: a tool
+import root  # noqa: F401  (first: the repository's root on sys.path, for the scripts and common.py)
 import common  # noqa: E402
 import screen  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent
 # The CPU's tiny runs: AdamW, as Muon's update takes seconds a step on a small CPU; 3 steps an epoch, 2 epochs at 32 px
 TINY = ["--synthetic", "--device", "cpu", "--epochs", "2", "--min-size", "32", "--train-size", "48", "--batch-size",
         "16", "--test-size", "16", "--monitor-size", "16", "--optimizer", "adamw"]
@@ -348,7 +346,7 @@ def test_run_end_to_end_on_the_cpu_with_ablation_py(tmp_path, monkeypatch, capfd
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(row["row"], row["settings"]["seed"], row["settings"]["validation"]) for row in rows] == [
         ("shipped", 0, 16)]
-    assert rows[0]["command"].startswith("python tools/ablation.py --rows shipped --seed 0 --validation 16")
+    assert rows[0]["command"].startswith("python lab/ablation.py --rows shipped --seed 0 --validation 16")
     phases = screen.phases(rows[0])
     assert phases["steady"] > 0 and phases["sizes_without_steady"] == []
     assert "screen: deadline: 100 s left of 300, a run takes up to 200 s: skipped full-eval seed 0" in output

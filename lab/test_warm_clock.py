@@ -1,4 +1,4 @@
-"""Tests for tools/warm_clock.py (opt5's recipe on airbench's clock) and plot.py's skipping of its rows. CPU, toy
+"""Tests for lab/warm_clock.py (opt5's recipe on airbench's clock) and plot.py's skipping of its rows. CPU, toy
 size, no network: `python -m pytest -q test_warm_clock.py`."""
 import contextlib
 import io
@@ -8,19 +8,18 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT / "tools"))  # warm_clock.py, ablation.py, plot.py: the tools
+import root  # noqa: F401  (first: the repository's root on sys.path, for the scripts and common.py)
 import ablation  # noqa: E402
 import common  # noqa: E402
 import opt5  # noqa: E402
 import plot  # noqa: E402
 import warm_clock  # noqa: E402
+from root import ROOT  # noqa: E402
 
 TEST_SIZE, MONITOR_SIZE, EPOCHS = 16, 8, 3  # the subset (8 images) and the whole test set (16) tell the calls apart
 TOY = ["--synthetic", "--device", "cpu", "--train-size", "16", "--test-size", str(TEST_SIZE), "--monitor-size",
@@ -107,7 +106,7 @@ def test_runs_opt5_once_untimed_then_each_seed_and_writes_a_row_per_run_and_a_su
         assert row["warm_train_seconds"] == pytest.approx(sum(row["warm_epoch_train_seconds"]))
         assert row["warm_final_evaluation_images"] == TEST_SIZE and row["warmup_seed"] == SEED
         assert row["warm_timer"] == "the device's clock (common.now)"
-        assert row["command"] == (f"python tools/warm_clock.py --runs 3 --seed {SEED} --json {warm['out']} "
+        assert row["command"] == (f"python lab/warm_clock.py --runs 3 --seed {SEED} --json {warm['out']} "
                                   + " ".join(TOY))
     seconds = [row["warm_seconds"] for row in rows]
     accuracies = [row["final_test_accuracy"] for row in rows]

@@ -1,9 +1,6 @@
-"""Tests for the probes in tools/: each is run in its own process at a toy size on the CPU, or shows its --help where
-a real run needs a GPU or is tested elsewhere, so a probe that breaks fails here and not when the results page's
-figures are rerun. A new file in tools/ fails test_every_tool_is_run_by_a_test_here until a test here runs it.
-
-    python -m pytest -q test_tools.py
-"""
+"""The lab's probes: each is run in its own process at a toy size on the CPU, or shows its --help where a real run needs
+a GPU or is tested in its own file, so a probe that breaks fails here and not when the results page's figures are
+rerun. A new tool in lab/ fails test_every_tool_is_run_by_a_test until a test runs it."""
 import gzip
 import json
 import os
@@ -11,15 +8,13 @@ import pickle
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parent
-TOOLS = ROOT / "tools"
-# a probe that tried to download would fail at once instead of waiting on the network
-NO_NETWORK = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}
+import root  # noqa: F401  (first: the repository's root on sys.path, for the scripts and common.py)
+from conftest import NO_NETWORK  # noqa: E402
+from root import LAB, ROOT  # noqa: E402
 
 # Each probe, by the test that runs it at a toy size here
 RUN_AT_TOY_SIZE = {
@@ -29,13 +24,13 @@ RUN_AT_TOY_SIZE = {
     "eager_ops.py": "test_eager_ops_counts_the_outermost_kernel_launching_ops_outside_compiled_code",
     "evaluations.py": "test_evaluations_runs_opt5s_twenty_evaluations_eager_at_a_toy_size",
 }
-# Run at toy size by test_scripts.py, test_screen.py and test_warm_clock.py: here only their --help
-HELP_ONLY = ("ablation.py", "plot.py", "screen.py", "warm_clock.py")
-# Modules the tools import, no command of their own: tested in test_scripts.py
-IMPORTED_ONLY = ("accounting.py",)
+# Run at toy size by their own test files (test_ablation.py, test_benchmark.py...): here only their --help
+HELP_ONLY = ("ablation.py", "benchmark.py", "plot.py", "screen.py", "warm_clock.py")
+# Modules the tools import, no command of their own: accounting.py tested in test_accounting.py, root.py by every tool
+IMPORTED_ONLY = ("accounting.py", "root.py")
 
 
-def run_script(script, *args, timeout=300):
+def run_tool(script, *args, timeout=300):
     """`python script args...` from the repository root; its stdout, after asserting it exited 0."""
     result = subprocess.run([sys.executable, script, *map(str, args)], cwd=ROOT, env={**os.environ, **NO_NETWORK},
                             capture_output=True, text=True, timeout=timeout)
@@ -49,22 +44,21 @@ def one_line(text):
     return " ".join(text.split())
 
 
-def test_every_tool_is_run_by_a_test_here():
-    tools = sorted(path.name for path in TOOLS.glob("*.py"))
+def test_every_tool_is_run_by_a_test():
+    tools = sorted(path.name for path in LAB.glob("*.py") if not path.name.startswith("test_"))
     untested = [name for name in tools if name not in (*RUN_AT_TOY_SIZE, *HELP_ONLY, *IMPORTED_ONLY)]
     assert not untested, f"add a test to test_tools.py for each of {untested} and name it in RUN_AT_TOY_SIZE"
     missing = [test for test in RUN_AT_TOY_SIZE.values() if not callable(globals().get(test))]
     assert not missing, f"RUN_AT_TOY_SIZE names tests that are not here: {missing}"
 
 
-# warm_clock.py is new: each name is tested only if its file is there
-@pytest.mark.parametrize("name", [name for name in HELP_ONLY if (TOOLS / name).is_file()])
+@pytest.mark.parametrize("name", [name for name in HELP_ONLY if (LAB / name).is_file()])
 def test_help_of_a_tool_tested_elsewhere_exits_0_with_its_usage(name):
-    assert run_script(f"tools/{name}", "--help", timeout=120).startswith(f"usage: {name} ")
+    assert run_tool(f"lab/{name}", "--help", timeout=120).startswith(f"usage: {name} ")
 
 
 def test_capture_probe_rehearses_one_tiny_configuration_on_the_cpu():
-    lines = run_script("tools/capture_probe.py", "--device", "cpu").splitlines()
+    lines = run_tool("lab/capture_probe.py", "--device", "cpu").splitlines()
     assert len(lines) == 1, "one configuration on a CPU, no GPU line"
     row = json.loads(lines[0])
     assert (row["mode"], row["batch"], row["size"]) == ("eager", 16, 32)
@@ -73,16 +67,16 @@ def test_capture_probe_rehearses_one_tiny_configuration_on_the_cpu():
 
 def test_compile_cpus_defaults_are_opt4s():
     """At its defaults compile_cpu.py projects opt4's default run: batch 128 (1,950 steps in 5 epochs)."""
-    usage = one_line(run_script("tools/compile_cpu.py", "--help", timeout=120))
+    usage = one_line(run_tool("lab/compile_cpu.py", "--help", timeout=120))
     for flag, default in [("--batch-size", 128), ("--steps-per-block", 8), ("--blocks", 6), ("--evaluated", 2000)]:
         assert re.search(rf"{flag} [A-Z_]+ [^-]*\(default: {default}\)", usage), f"{flag}'s default is {default}"
-    assert "images per training step (default: 128)" in one_line(run_script("opt4.py", "--help", timeout=120))
+    assert "images per training step (default: 128)" in one_line(run_tool("opt4.py", "--help", timeout=120))
 
 
 def test_compile_cpu_times_opt4s_step_both_ways_and_projects_the_run_at_its_batch():
     # torch.compile on the CPU: tens of seconds of compiling, a minute or more on a busy machine
     toy = ["--batch-size", "8", "--steps-per-block", "2", "--blocks", "2", "--evaluated", "16"]
-    out = run_script("tools/compile_cpu.py", *toy, timeout=900)
+    out = run_tool("lab/compile_cpu.py", *toy, timeout=900)
     for mode in ("eager", "compiled"):
         timing = re.search(rf"^{mode}: step (\d+) ms \(median of 2 blocks of 2: \d+, \d+\); evaluation of 16 images "
                            rf"([\d.]+) s; first block", out, re.M)
@@ -116,7 +110,7 @@ def write_toy_cifar10(data_dir, per_batch, test_count):
 
 def test_data_load_times_both_loaders_on_a_toy_copy_of_cifar10(tmp_path):
     write_toy_cifar10(tmp_path, per_batch=4, test_count=6)
-    lines = run_script("tools/data_load.py", tmp_path, timeout=120).splitlines()
+    lines = run_tool("lab/data_load.py", tmp_path, timeout=120).splitlines()
     assert re.fullmatch(r"torch \S+, torchvision \S+; import torchvision after torch: [\d.]+ s", lines[0]), lines
     loads = [line for line in lines if line.startswith("both sets (20 + 6 images): torchvision's constructor ")]
     assert len(loads) == 3, lines
@@ -148,7 +142,7 @@ def test_eager_ops_counts_the_outermost_kernel_launching_ops_outside_compiled_co
     os.utime(decoy, (1_000_000, 1_000_000))
     with gzip.open(trace / "worker.pt.trace.json.gz", "wt", encoding="utf-8") as file:
         json.dump({"traceEvents": events}, file)
-    lines = run_script("tools/eager_ops.py", trace, timeout=60).splitlines()
+    lines = run_tool("lab/eager_ops.py", trace, timeout=60).splitlines()
     assert lines == [f"{trace / 'worker.pt.trace.json.gz'}: 2 steps traced",
                      "kernel-launching ops a step outside compiled code: 2.5 (each step: 2, 3)",
                      "most frequent, a step: aten::add 1, aten::to 0.5, aten::mul 0.5, aten::addmm 0.5"]
@@ -157,7 +151,7 @@ def test_eager_ops_counts_the_outermost_kernel_launching_ops_outside_compiled_co
 def test_evaluations_runs_opt5s_twenty_evaluations_eager_at_a_toy_size():
     # 40 test images at batch 32 (16 images and their mirrors a call): the last call has 8, padded
     toy = ["--monitor-size", "16", "--test-size", "40", "--batch-size", "32"]
-    lines = run_script("tools/evaluations.py", "eager", *toy, timeout=300).splitlines()
+    lines = run_tool("lab/evaluations.py", "eager", *toy, timeout=300).splitlines()
     evaluations = [line for line in lines if line.startswith("eager: epoch ")]
     assert len(evaluations) == 20, lines
     assert evaluations[0].startswith("eager: epoch  1, 16 px, 16 images: ")

@@ -1,17 +1,17 @@
 """ablation.py: opt5 with one technique switched per row (or a bundle of them), each row its own run, as data.
 
-    python tools/ablation.py --data-dir ./data --rows shipped adamw smoothing-0    # appends to results/recipe.jsonl
-    python tools/ablation.py --rows shipped ema --synthetic --epochs 2 --train-size 2048 --json /tmp/ablation.jsonl
-    python tools/plot.py --tables                                                  # the tables, with the other results
+    python lab/ablation.py --data-dir ./data --rows shipped adamw smoothing-0    # appends to lab/results/recipe.jsonl
+    python lab/ablation.py --rows shipped ema --synthetic --epochs 2 --train-size 2048 --json /tmp/ablation.jsonl
+    python lab/plot.py --tables                                                  # the tables, with the other results
 
 Each row runs opt5.py's own main() in a fresh process (launched as this one was) with one change applied from
 outside, so opt5.py keeps only what earns its place. After training, every row scores its final weights on the
 whole test set from 1 view per image, 2 (the image and its mirror: opt5's own evaluation) and 6 (both also
 shifted one pixel up-left and down-right: flip + translate test-time augmentation). Any flag not listed below is
 opt5.py's (see `python opt5.py --help`) and goes to every row; without such flags a row is opt5 as it ships (the
-recipe: 20 epochs of batch 512, Muon) with its one change. The rows of results/ablation.jsonl (the first 9, shipped
+recipe: 20 epochs of batch 512, Muon) with its one change. The rows of lab/results/ablation.jsonl (the first 9, shipped
 to nesterov) were measured before the recipe, with AdamW at 5 epochs of batch 128: give those names to --rows with
-`--epochs 5 --batch-size 128 --lr 0.008 --optimizer adamw --json results/ablation.jsonl` to run them again. The
+`--epochs 5 --batch-size 128 --lr 0.008 --optimizer adamw --json lab/results/ablation.jsonl` to run them again. The
 rows run one after another: time them with nothing else running on the machine.
 
 `twenty-epochs` is the recipe with every setting named. The time rows (TIME_ROWS) train as opt5 does, set up
@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]  # chain, tools
+import root  # noqa: F401  (first: the repository's root on sys.path, for the scripts and common.py)
 import accounting  # noqa: E402
 import common  # noqa: E402
 import opt5  # noqa: E402
@@ -450,9 +450,9 @@ def parse_args():
                                    allow_abbrev=False)
     parser.add_argument("--rows", nargs="+", choices=ROW_NAMES, default=ROW_NAMES, metavar="ROW",
                         help=f"the rows to run, in this order, from: {' '.join(ROW_NAMES)} (default: all)")
-    parser.add_argument("--json", metavar="PATH", default="results/recipe.jsonl",
+    parser.add_argument("--json", metavar="PATH", default="lab/results/recipe.jsonl",
                         help="append one JSON line per row: opt5's report and the row's scores "
-                             "(default: results/recipe.jsonl, with the recipe's other runs)")
+                             "(default: lab/results/recipe.jsonl, with the recipe's other runs)")
     parser.add_argument("--seeds", nargs="+", type=int, metavar="SEED",
                         help="run every row once per seed, the rows of a seed before the next seed's (default: "
                              "opt5's --seed alone)")
@@ -519,7 +519,7 @@ def run_row(name, opt5_flags, json_path):
     print(f"row {name}: test acc {100 * scores['1_view']:.2f}% from 1 view, {100 * scores['2_views']:.2f}% from 2, "
           f"{100 * scores['6_views']:.2f}% from 6 (+{scores['extra_view_seconds']:.0f} s) | "
           f"{report['launch_to_result_seconds']:.0f} s from launch to result", flush=True)
-    line = {**report, "command": shlex.join(["python", "tools/ablation.py", "--rows", name, *opt5_flags]), "row": name,
+    line = {**report, "command": shlex.join(["python", "lab/ablation.py", "--rows", name, *opt5_flags]), "row": name,
             "change": change, **scores, "launch_to_result_6_views_seconds": with_extra_views,
             "modelled_h200_6_views_seconds": report["modelled_h200_seconds"] + modelled_views}
     with open(json_path, "a") as file:
@@ -540,7 +540,7 @@ def main():
         if returncode != 0:
             common.fail(f"row {name} ended with exit code {returncode}; the rows before it are in {args.json}",
                         code=returncode)
-    print(f"\n{len(runs)} rows appended to {args.json}; `python tools/plot.py --tables` prints them as a table")
+    print(f"\n{len(runs)} rows appended to {args.json}; `python lab/plot.py --tables` prints them as a table")
 
 
 if __name__ == "__main__":

@@ -2,15 +2,14 @@
 torchvision's constructor, which md5s all six files for each set at every load. With a copy whose bytes are not the
 official ones (as here) torchvision's check would fail: each md5 is computed, then taken as a pass.
 
-    python tools/data_load.py DATA_DIR
+    python lab/data_load.py DATA_DIR
 """
 import sys
 import time
-from pathlib import Path
 
 import torch  # noqa: F401  (imported first, as by every script)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import root  # noqa: F401  (first: the repository's root on sys.path, for the scripts and common.py)
 import common  # noqa: E402
 
 start = time.perf_counter()
