@@ -55,7 +55,7 @@ CIFAR10_TRAIN_SIZE = 50_000
 CIFAR10_TEST_SIZE = 10_000
 
 
-# The chain's numbering a --json row's "script" uses: 2 since opt3 was split in two (results/README.md)
+# The chain's numbering a --json row's "script" uses: 2 since opt3 was split in two (lab/README.md)
 CHAIN_NUMBERING = 2
 # A long epoch (minutes on a CPU) prints a progress line this often.
 PROGRESS_SECONDS = 30

@@ -21,7 +21,7 @@ import common
 
 def parse_args():
     # opt2: a bigger batch keeps the GPU busy with fewer, larger kernels and fewer optimizer steps
-    # opt2: 8e-3, the OneCycleLR peak that 5-epoch probes at batch 128 picked (results/README.md)
+    # opt2: 8e-3, the OneCycleLR peak that 5-epoch probes at batch 128 picked (lab/README.md)
     parser = common.build_parser(__doc__, batch_size=128, lr=8e-3)
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="torch.compile the model; --no-compile runs eager (default: on)")
@@ -51,7 +51,7 @@ def autocast_dtype(device):
 
 def default_workers(device):
     """Loader processes: with a GPU they prepare batches while it computes; on the CPU they would take
-    cores from training (results/README.md: the ladder's workers on 2 cores)."""
+    cores from training (lab/README.md: the ladder's workers on 2 cores)."""
     if device.type != "cuda":
         return 0
     # opt2: a worker on every core this process may use (its affinity, not the machine's) but one, left to training

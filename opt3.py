@@ -18,7 +18,7 @@ import common
 
 def parse_args():
     # opt2: a bigger batch keeps the GPU busy with fewer, larger kernels and fewer optimizer steps
-    # opt2: 8e-3, the OneCycleLR peak that 5-epoch probes at batch 128 picked (results/README.md)
+    # opt2: 8e-3, the OneCycleLR peak that 5-epoch probes at batch 128 picked (lab/README.md)
     parser = common.build_parser(__doc__, batch_size=128, lr=8e-3)
     # opt3: off by default: with the data on the device a short run trains in less time than compiling takes
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,

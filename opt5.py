@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import common
 
 
-# opt5: the recipe, every setting named once, the flags' defaults (results/README.md: its runs, how it was picked)
+# opt5: the recipe, every setting named once, the flags' defaults (lab/README.md: its runs, how it was picked)
 RECIPE = dict(
     epochs=20,            # 20 epochs of 512 images a step: as many steps as 5 of 128 (opt4), each a 4x batch
     batch_size=512,       # a quarter of opt4's steps, each launching the same kernels on 4x the images

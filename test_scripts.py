@@ -4,6 +4,7 @@ import os
 import re
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -15,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import baseline
 import common
+import opt2
 import opt5
 from conftest import (
     ALL_SCRIPTS, CPU, CPU_AMP_DTYPE, EVAL_TRANSFORM, LEARN_ARGS, NO_MONITOR, SMALL, WHOLE_STEP,
@@ -59,9 +61,12 @@ def test_script_learns_reports_and_saves(script, tmp_path):
 
 
 @pytest.mark.parametrize("script", ALL_SCRIPTS)
-def test_help_documents_every_flag_with_its_default(script):
-    result = run_python(script, "--help")
-    assert result.returncode == 0
+def test_help_documents_every_flag_with_its_default(script, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [script, "--help"])  # in this process: what `python script --help` prints
+    with pytest.raises(SystemExit) as exit:
+        ALL_SCRIPTS[script].parse_args()
+    assert exit.value.code == 0
+    printed = capsys.readouterr().out
     flags = ["--epochs", "--batch-size", "--lr", "--data-dir", "--device", "--seed", "--synthetic",
              "--train-size", "--test-size", "--json", "--save", "--profile"]
     if script != "baseline.py":
@@ -71,8 +76,8 @@ def test_help_documents_every_flag_with_its_default(script):
     if script in ("opt5.py", "opt6.py"):
         flags += ["--min-size", "--monitor-size"]
     for flag in flags:
-        assert flag in result.stdout
-    help_texts = result.stdout.split("options:")[1].split("\n  -")[2:]  # skip -h
+        assert flag in printed
+    help_texts = printed.split("options:")[1].split("\n  -")[2:]  # skip -h
     assert all("default" in text for text in help_texts), help_texts
 
 
@@ -155,16 +160,23 @@ def test_bad_input_exits_2_with_one_line(args, says, tmp_path):
     (["--label-smoothing", "1"], "--label-smoothing: must be at least 0 and below 1"),
     (["--accum-steps", "0"], "--accum-steps: must be a positive integer"),
 ])
-def test_opt2_flags_are_checked_too(args, says):
-    result = run_python("opt2.py", *args)
-    assert result.returncode == 2 and says in result.stderr
+def test_opt2_flags_are_checked_too(args, says, monkeypatch, capsys):
+    assert parsing_exits_2(opt2, args, monkeypatch, capsys).count(says) == 1
+
+
+def parsing_exits_2(module, args, monkeypatch, capsys):
+    """What `module`'s parser writes to stderr, in this process, as it exits with code 2 on `args`."""
+    monkeypatch.setattr(sys, "argv", [Path(module.__file__).name, *args])
+    with pytest.raises(SystemExit) as exit:
+        module.parse_args()
+    assert exit.value.code == 2
+    return capsys.readouterr().err
 
 
 @pytest.mark.parametrize("script", ["opt5.py", "opt6.py"])
-def test_ns_steps_must_be_a_positive_integer(script):
-    result = run_python(script, "--ns-steps", "0")
-    assert result.returncode == 2 and result.stderr.count("\n") == 1
-    assert "--ns-steps: must be a positive integer" in result.stderr, result.stderr
+def test_ns_steps_must_be_a_positive_integer(script, monkeypatch, capsys):
+    stderr = parsing_exits_2(ALL_SCRIPTS[script], ["--ns-steps", "0"], monkeypatch, capsys)
+    assert stderr.count("\n") == 1 and "--ns-steps: must be a positive integer" in stderr, stderr
 
 
 def test_missing_data_message_says_where_and_what_to_do(tmp_path):
