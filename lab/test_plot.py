@@ -430,3 +430,11 @@ def test_plot_reads_older_rows_by_todays_names_and_diffs_a_script_under_its_name
     assert plot_there.changed_since_their_rows(runs) == {commit: [], newer: ["opt5.py"]}
     assert plot_there.changed_since_their_rows({**runs, "opt4.py": [{**runs["opt4.py"][0], "commit": "0000000"}]}) \
         is None
+
+
+def test_plot_skips_warm_rows(tmp_path):
+    rows = [{"script": "opt5.py", "chain": 2, "date": "a"}, {"script": "opt5.py", "chain": 2, "clock": "warm"},
+            {"clock": "warm", "summary": True}, {"script": "opt4.py", "chain": 2, "date": "b", "clock": "launch"}]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert [row["date"] for row in plot.read_lines(path)] == ["a", "b"]

@@ -1,5 +1,5 @@
-"""Tests for lab/warm_clock.py (opt5's recipe on airbench's clock) and plot.py's skipping of its rows. CPU, toy
-size, no network: `python -m pytest -q test_warm_clock.py`."""
+"""lab/warm_clock.py: opt5's recipe on airbench's clock (plot.py's skipping of its rows: test_plot.py). CPU, toy size,
+no network."""
 import contextlib
 import io
 import json
@@ -163,14 +163,6 @@ def test_a_run_has_the_losses_of_an_opt5_process_with_its_flags_and_seed(warm, t
     mixed = tmp_path / "mixed.jsonl"
     mixed.write_text(out.read_text() + warm["out"].read_text())
     assert [row["date"] for row in plot.read_lines(mixed)] == [alone["date"]]
-
-
-def test_plot_skips_warm_rows(tmp_path):
-    rows = [{"script": "opt5.py", "chain": 2, "date": "a"}, {"script": "opt5.py", "chain": 2, "clock": "warm"},
-            {"clock": "warm", "summary": True}, {"script": "opt4.py", "chain": 2, "date": "b", "clock": "launch"}]
-    path = tmp_path / "rows.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    assert [row["date"] for row in plot.read_lines(path)] == ["a", "b"]
 
 
 @pytest.mark.parametrize("flags, said", [
