@@ -455,7 +455,7 @@ def record_epoch(records, train, test, train_seconds, image_size=None, test_imag
         record["test_images"] = test_images
         test_note = f" ({test_images} images)"
     first_at_its_size = all(earlier.get("image_size") != image_size for earlier in records)
-    note = "  (includes compile/warm-up)" if first_at_its_size else ""
+    note = "  (includes warm-up, and compiling where on)" if first_at_its_size else ""
     print(f"epoch {record['epoch']}: train{size_note} loss {train_loss:.4f} acc {100 * train_accuracy:.2f}% | "
           f"test{test_note} loss {test_loss:.4f} acc {100 * test_accuracy:.2f}% | "
           f"{train_seconds:.1f} s, {record['images_per_second']:.0f} img/s, "

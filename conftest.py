@@ -53,6 +53,11 @@ def cudnn_settings_restored():
     torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = saved
 
 
+def cuda_test(test):
+    """Marks a test `cuda` and skips it on a machine without a CUDA GPU."""
+    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(test))
+
+
 def run_python(*args, timeout=600, env=None):
     """Run `python args...` in a fresh process, offline, with `env` added to the environment; returns the
     CompletedProcess."""

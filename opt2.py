@@ -63,7 +63,8 @@ def train_one_epoch(run, loader, epoch, monitor):
     """One pass over `loader`; returns mean loss, accuracy, optimizer steps and images trained on."""
     run.model.train()
     total_loss, correct, images_seen = 0.0, 0, 0
-    # opt2: accumulating the gradients of accum_steps micro-batches gives a big batch's step in less memory
+    # opt2: accumulating the gradients of accum_steps micro-batches: one step for all of them in less memory, a big
+    # batch's step where no BatchNorm is (BatchNorm normalizes each micro-batch by its own statistics)
     accum_steps = run.args.accum_steps
     steps = len(loader) // accum_steps
     for micro_step, (images, labels) in enumerate(itertools.islice(loader, steps * accum_steps)):
@@ -96,7 +97,8 @@ def evaluate(run, loader):
     with torch.inference_mode():  # opt2: like no_grad, and also skips autograd's version tracking
         for images, labels in loader:
             images, labels = images.to(run.device, non_blocking=True), labels.to(run.device, non_blocking=True)
-            # opt1: the last batch padded to full size (extra outputs dropped): one shape, so one compiled graph
+            # opt1: the last batch padded to full size (extra outputs dropped): one shape, so one graph if compiled
+            # and, on CUDA, no new shape for cuDNN's autotuner to time
             images = torch.cat([images, images.new_zeros(loader.batch_size - len(images), *images.shape[1:])])
             # opt1: 16-bit here too
             with torch.autocast(run.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32):

@@ -240,7 +240,8 @@ def cuda_graph(step, device, warmup_steps=3):
 def train_one_epoch(run, train_data, epoch, monitor):
     """One pass over `train_data` (the plan's); returns mean loss, accuracy, optimizer steps and images trained on."""
     run.model.train()
-    # opt2: accumulating the gradients of accum_steps micro-batches gives a big batch's step in less memory
+    # opt2: accumulating the gradients of accum_steps micro-batches: one step for all of them in less memory, a big
+    # batch's step where no BatchNorm is (BatchNorm normalizes each micro-batch by its own statistics)
     accum_steps = run.args.accum_steps
     # opt3: the epoch's batches, crops and flips drawn on the device at once: no loader, workers or host copies
     batch_size, padding, generator = run.args.batch_size, run.crop_padding, run.generator
@@ -272,7 +273,8 @@ def evaluate(run, test_data):
         for start in range(0, len(all_labels), batch_size):  # opt3: slices of the test set on the device, no loader
             images = normalize(all_images[start:start + batch_size], run.statistics)
             labels = all_labels[start:start + batch_size]
-            # opt1: the last batch padded to full size (extra outputs dropped): one shape, so one compiled graph
+            # opt1: the last batch padded to full size (extra outputs dropped): one shape, so one graph if compiled
+            # and, on CUDA, no new shape for cuDNN's autotuner to time
             images = torch.cat([images, images.new_zeros(batch_size - len(images), *images.shape[1:])])
             images = images.contiguous(memory_format=torch.channels_last)  # opt3: the layout the model runs in
             # opt1: 16-bit here too

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import common
 
 
-# opt5: the recipe, every setting named once, the flags' defaults (lab/README.md: its runs, how it was picked)
+# opt5: the recipe, every setting named once, a flag's default where one sets it (lab/README.md: how it was picked)
 RECIPE = dict(
     epochs=20,            # 20 epochs of 512 images a step: as many steps as 5 of 128 (opt4), each a 4x batch
     batch_size=512,       # a quarter of opt4's steps, each launching the same kernels on 4x the images
@@ -30,9 +30,10 @@ RECIPE = dict(
     monitor_size=1000,    # test images scored after each epoch but the last, which scores them all
     optimizer="muon",     # Muon for the filters, AdamW for the rest
     ns_steps=3,           # Newton-Schulz iterations a Muon update, as airbench94_muon.py; torch.optim.Muon's: 5
-    muon_momentum=0.9,    # Muon's Nesterov momentum, as airbench94_muon.py's
+    muon_momentum=0.9,    # Muon's Nesterov momentum; airbench94_muon.py's is 0.6, torch.optim.Muon's 0.95
     weight_decay=0.05,    # AdamW's, as opt1-opt4's; Muon's the same, decoupled
-    label_smoothing=0.1,  # as opt2-opt4's; so are the crops (common.CROP_PADDING, 2 px); evaluate: 2 views an image
+    label_smoothing=0.1,  # as opt2-opt4's; so are the crops (common.CROP_PADDING, 2 px)
+    # and, with no setting of its own, evaluate() scores each test image and its mirror: two views
 )
 
 
@@ -200,7 +201,8 @@ class Muon(torch.optim.Optimizer):
     """Muon (Keller Jordan, 2024) for convolution filters; every other parameter goes to a second optimizer (AdamW).
     A filter's step is its Nesterov momentum as a matrix (out x in*k*k), orthogonalized: every direction a step of one
     size, so the rare ones a gradient step all but ignores learn as fast. Scaled by 0.2 sqrt(max(out, in*k*k)), it
-    matches AdamW's size (Moonlight, Liu et al., 2025): AdamW's rate and weight decay carry over."""
+    matches AdamW's size (Moonlight, Liu et al., 2025): AdamW's rate carries over, and its weight decay if passed
+    as weight_decay (none by default; the recipe passes AdamW's)."""
 
     def __init__(self, filters, lr, weight_decay=0.0, momentum=0.9, steps=3, dtype=None):
         super().__init__(filters, dict(lr=lr, weight_decay=weight_decay, momentum=momentum))
@@ -338,7 +340,8 @@ def capture_problem(device, amp_dtype, optimizers):
 def train_one_epoch(run, train_data, epoch, monitor, size):
     """One pass over `train_data` (the plan's); returns mean loss, accuracy, optimizer steps and images trained on."""
     run.model.train()
-    # opt2: accumulating the gradients of accum_steps micro-batches gives a big batch's step in less memory
+    # opt2: accumulating the gradients of accum_steps micro-batches: one step for all of them in less memory, a big
+    # batch's step where no BatchNorm is (BatchNorm normalizes each micro-batch by its own statistics)
     accum_steps = run.args.accum_steps
     # opt3: the epoch's batches, crops and flips drawn on the device at once: no loader, workers or host copies
     batch_size, padding, generator = run.args.batch_size, run.crop_padding, run.generator
@@ -408,7 +411,7 @@ def main():
     model = common.ResNet10().to(device, memory_format=torch.channels_last)
     if args.compile:
         # opt1: fuses operations into fewer kernels: less memory traffic and Python overhead
-        # opt5: dynamic=False: a graph for each image size (symbolic sizes recompile at each one too, less specialized)
+        # opt5: dynamic=False: a graph for each image size (dynamic=True traced one a size too: lab/README.md)
         model.compile(dynamic=False)
     # opt2: label smoothing keeps the logits from growing without bound: better accuracy in few epochs
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)

@@ -13,17 +13,12 @@ import common
 import opt2
 import opt4
 from conftest import (
-    ALL_SCRIPTS, LEARN_ARGS, TORCHRUN, checksums, optimizers_of, plan_tensors, plan_the_epoch, read_json,
+    ALL_SCRIPTS, LEARN_ARGS, TORCHRUN, checksums, cuda_test, optimizers_of, plan_tensors, plan_the_epoch, read_json,
     run_python, small_net, step_of)
 
 
 # ------------------------------------------------- on a CUDA GPU: `python -m pytest -m cuda -q`
 # Written without a GPU to run them on: here they are skipped. Each one checks a claim that only a GPU can.
-
-def cuda_test(test):
-    """Marks a test `cuda` and skips it on a machine without a CUDA GPU."""
-    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(test))
-
 
 GPU_ARGS = ["--synthetic", "--device", "cuda", "--epochs", "2", "--train-size", "2048", "--test-size", "512"]
 
@@ -200,3 +195,12 @@ def test_cuda_opt6_two_gpus_with_nccl_end_with_identical_weights(tmp_path):
     assert result.returncode == 0, result.stderr
     first, second = checksums(result.stderr)
     assert first == second and read_json(json_path)["world_size"] == 2
+
+
+@cuda_test
+def test_cuda_opt6_under_torchrun_with_one_process_captures_its_step():
+    # opt6's docstring: uncaptured only with more than one process; one process under torchrun captures as opt5
+    one_process = [arg.replace("--nproc_per_node=2", "--nproc_per_node=1") for arg in TORCHRUN]
+    result = run_python(*one_process, "opt6.py", *GPU_ARGS)
+    assert result.returncode == 0, result.stderr
+    assert "step: captured as a CUDA graph" in result.stdout and "world size 1" in result.stdout, result.stdout

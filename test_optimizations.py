@@ -27,11 +27,12 @@ from conftest import (
 
 # ------------------------------------------------------------------------ gradient accumulation
 
-def accumulated_weights(batch_size, accum_steps, monkeypatch):
-    """Weights of a small BatchNorm-free net after one opt2 epoch of 24 images."""
+def accumulated_weights(batch_size, accum_steps, monkeypatch, batchnorm=False):
+    """Weights of a small net (BatchNorm-free unless `batchnorm`) after one opt2 epoch of 24 images."""
     monkeypatch.setattr(torch, "autocast", lambda *args, **kwargs: contextlib.nullcontext())  # float32
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 30 * 30, 10))
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), *[nn.BatchNorm2d(4)] * batchnorm, nn.ReLU(), nn.Flatten(),
+                          nn.Linear(4 * 30 * 30, 10))
     torch.manual_seed(1)
     data = TensorDataset(torch.randn(24, 3, 32, 32), torch.randint(0, 10, (24,)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -51,6 +52,14 @@ def test_accumulating_k_micro_batches_equals_one_big_batch(monkeypatch):
     assert torch.allclose(accumulated, big_batch, atol=1e-6)
     one_step, _, _ = accumulated_weights(24, 1, monkeypatch)
     assert not torch.allclose(one_step, big_batch, atol=1e-3), "the comparison must be able to fail"
+
+
+def test_with_batchnorm_accumulating_micro_batches_is_not_one_big_batch(monkeypatch):
+    # What the accumulation tag says: BatchNorm normalizes each micro-batch of 4 by its own statistics, so the
+    # accumulated step is not the step of the batch of 12
+    big_batch, _, _ = accumulated_weights(12, 1, monkeypatch, batchnorm=True)
+    accumulated, _, _ = accumulated_weights(4, 3, monkeypatch, batchnorm=True)
+    assert not torch.allclose(accumulated, big_batch, atol=1e-4)
 
 
 @pytest.mark.parametrize("script, accum_steps", [("opt2.py", 1), ("opt2.py", 3), ("opt3.py", 3), ("opt4.py", 3),

@@ -26,6 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
+from conftest import cuda_test
+
 ROOT = Path(__file__).resolve().parent
 # All a copied piece may lean on besides the standard library: torch's modules a training script imports anyway
 TORCH_IMPORTS = """\
@@ -36,7 +38,6 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 """
 CPU = torch.device("cpu")
-cuda_test = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 # ------------------------------------------------------------------------------------ the table, read

@@ -40,7 +40,7 @@ def test_script_learns_reports_and_saves(script, tmp_path):
                         "--json", json_path, "--save", weights)
     assert result.returncode == 0, result.stderr
     assert "says nothing about CIFAR-10" in result.stdout
-    assert "epoch 1:" in result.stdout and "(includes compile/warm-up)" in result.stdout
+    assert "epoch 1:" in result.stdout and "(includes warm-up, and compiling where on)" in result.stdout
     assert ("steady state (epochs 2+)" in result.stdout) == (script not in ("opt5.py", "opt6.py"))  # one size
     assert ("world size 1: global batch 16" in result.stdout) == (script == "opt6.py")  # no torchrun: one process
 

@@ -20,6 +20,7 @@ from root import LAB, ROOT  # noqa: E402
 RUN_AT_TOY_SIZE = {
     "capture_probe.py": "test_capture_probe_rehearses_one_tiny_configuration_on_the_cpu",
     "compile_cpu.py": "test_compile_cpu_times_opt4s_step_both_ways_and_projects_the_run_at_its_batch",
+    "compile_sizes.py": "test_compile_sizes_counts_the_graphs_of_both_settings_at_two_sizes",
     "data_load.py": "test_data_load_times_both_loaders_on_a_toy_copy_of_cifar10",
     "eager_ops.py": "test_eager_ops_counts_the_outermost_kernel_launching_ops_outside_compiled_code",
     "evaluations.py": "test_evaluations_runs_opt5s_twenty_evaluations_eager_at_a_toy_size",
@@ -157,3 +158,11 @@ def test_evaluations_runs_opt5s_twenty_evaluations_eager_at_a_toy_size():
     assert evaluations[0].startswith("eager: epoch  1, 16 px, 16 images: ")
     assert evaluations[-1].startswith("eager: epoch 20, 32 px, 40 images: ")
     assert lines[-1].startswith("eager: the 20 evaluations: ")
+
+
+def test_compile_sizes_counts_the_graphs_of_both_settings_at_two_sizes():
+    lines = [json.loads(line) for line in run_tool("lab/compile_sizes.py", "--sizes", 8, 16, "--batch-size", 2,
+                                                   timeout=600).splitlines()]
+    assert [(line["dynamic"], line["sizes"]) for line in lines] == [(False, [8, 16]), (True, [8, 16])]
+    assert lines[0]["dynamo_graphs"] == 2, "dynamic=False: a graph for each size"
+    assert all(line["compiled_graphs"] >= 1 for line in lines)
