@@ -335,7 +335,7 @@ def load_data(args, train_transform, test_transform):
 
 
 def fail(message, code=2):
-    """End the run with one line on stderr and exit code `code` (2: bad input)."""
+    """End the run with one line on stderr and exit code `code` (2 by default: a flag, the data or the machine)."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(code)
 

@@ -46,8 +46,8 @@ def autocast_dtype(device):
 
 
 def load_to_device(dataset, device):
-    """A dataset's images (uint8, N x 3 x 32 x 32, channels_last in memory) and labels on `device`."""
-    images = torch.as_tensor(dataset.data).permute(0, 3, 1, 2)  # the NHWC bytes are already channels_last
+    """A dataset's images (uint8, N x 3 x 32 x 32) and labels on `device`."""
+    images = torch.as_tensor(dataset.data).permute(0, 3, 1, 2)  # N x H x W x 3 seen as N x 3 x H x W: a view, no copy
     return images.to(device), torch.as_tensor(dataset.targets).to(device)
 
 
@@ -131,7 +131,7 @@ def evaluate(run, test_data):
     run.model.eval()
     all_images, all_labels = test_data
     batch_size = run.args.batch_size
-    # opt3: the totals stay on the device: one read at the end, not one wait per batch
+    # opt3: the totals stay on the device: read at the end, not waited for per batch
     total_loss = torch.zeros((), device=run.device)
     correct = torch.zeros((), dtype=torch.long, device=run.device)
     with torch.inference_mode():  # opt2: like no_grad, and also skips autograd's version tracking
@@ -174,7 +174,7 @@ def main():
     # opt2: label smoothing keeps the logits from growing without bound: better accuracy in few epochs
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     # opt1: AdamW scales each weight's step by its recent gradients, so one rate suits every layer untuned
-    # opt3: fused: one op reads and writes each weight once (a few multi-tensor launches on a GPU), not a dozen passes
+    # opt3: fused: one op reads and writes each weight once (a few multi-tensor launches on a GPU), not some 8 passes
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.05, fused=True)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bfloat16 needs no scaling
     steps_per_epoch = len(train_set) // args.batch_size // args.accum_steps

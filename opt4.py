@@ -47,8 +47,8 @@ def autocast_dtype(device):
 
 
 def load_to_device(dataset, device):
-    """A dataset's images (uint8, N x 3 x 32 x 32, channels_last in memory) and labels on `device`."""
-    images = torch.as_tensor(dataset.data).permute(0, 3, 1, 2)  # the NHWC bytes are already channels_last
+    """A dataset's images (uint8, N x 3 x 32 x 32) and labels on `device`."""
+    images = torch.as_tensor(dataset.data).permute(0, 3, 1, 2)  # N x H x W x 3 seen as N x 3 x H x W: a view, no copy
     return images.to(device), torch.as_tensor(dataset.targets).to(device)
 
 
@@ -89,7 +89,7 @@ def draw_epoch(image_count, batch_size, padding, generator, accum_steps=1):
 def empty_plan(train_data, statistics, padding, steps, batch_size, accum_steps=1):
     """What an epoch of `steps` steps reads and writes, at fixed addresses on `train_data`'s device: images, labels,
     statistics, padding, accum_steps as given; batches, offsets, flips and rates (plan_epoch's); cursor (the next
-    step); losses, correct; steps_left (of plan_epoch's epoch, counted by the step where it runs uncaptured)."""
+    step); losses, correct; steps_left (of plan_epoch's epoch, counted where the step's Python runs, not in replays)."""
     (images, labels), micro_batches = train_data, steps * accum_steps
     device = images.device
     return SimpleNamespace(
@@ -133,8 +133,8 @@ def onecycle_schedule(max_lr, total_steps, device, pct_start=0.25):
 def adamw(parameters, lr, device, weight_decay=0.05):
     """torch's fused AdamW with its learning rate in a tensor on `device`."""
     # opt1: AdamW scales each weight's step by its recent gradients, so one rate suits every layer untuned
-    # opt3: fused: one op reads and writes each weight once (a few multi-tensor launches on a GPU), not a dozen passes
-    # opt4: the rate a tensor the schedule writes in place (a graph keeps a float); capturable=True: torch captures it
+    # opt3: fused: one op reads and writes each weight once (a few multi-tensor launches on a GPU), not some 8 passes
+    # opt4: the rate a tensor the schedule writes in place (a graph keeps a float); capturable=True, or no capture
     return torch.optim.AdamW(parameters, lr=torch.tensor(lr, device=device), weight_decay=weight_decay, fused=True,
                              capturable=True)
 
@@ -151,7 +151,7 @@ def micro_batch_loss(model, criterion, plan, micro_batch, amp_dtype):
     images = images.contiguous(memory_format=torch.channels_last)
     labels = plan.labels[indices]
     # opt1: autocast runs convolutions in 16-bit where it is native: half the memory traffic, tensor cores
-    # opt4: without autocast's cache of cast weights, which a CUDA graph capture must not keep
+    # opt4: without autocast's cache of cast weights, as torch's make_graphed_callables asks of a captured region
     with torch.autocast(images.device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32, cache_enabled=False):
         outputs = model(images)
         loss = criterion(outputs, labels)
@@ -179,7 +179,8 @@ def make_train_step(model, criterion, optimizers, plan, amp_dtype=torch.float32,
         if not all(isinstance(group["lr"], torch.Tensor) for group in optimizer.param_groups):
             raise TypeError(f"{type(optimizer).__name__}'s learning rate is a float, which a CUDA graph would keep: "
                             "use torch.optim.AdamW(..., lr=torch.tensor(rate, device=device), fused=True) (on CUDA "
-                            "also capturable=True), as adamw() does; torch's SGD reads its rate on the host: no graph")
+                            "also capturable=True), as adamw() does; torch's SGD reads a tensor rate on the host "
+                            "unless fused=True")
     scaler = scaler or torch.amp.GradScaler(enabled=False)  # disabled: scale, step and update pass straight through
 
     def step():
@@ -266,7 +267,7 @@ def evaluate(run, test_data):
     run.model.eval()
     all_images, all_labels = test_data
     batch_size = run.args.batch_size
-    # opt3: the totals stay on the device: one read at the end, not one wait per batch
+    # opt3: the totals stay on the device: read at the end, not waited for per batch
     total_loss = torch.zeros((), device=run.device)
     correct = torch.zeros((), dtype=torch.long, device=run.device)
     with torch.inference_mode():  # opt2: like no_grad, and also skips autograd's version tracking

@@ -30,7 +30,7 @@ import common
 # opt5: the recipe, every setting named once, a flag's default where one sets it (lab/README.md: how it was picked)
 RECIPE = dict(
     epochs=20,            # 20 epochs of 512 images a step: as many steps as 5 of 128 (opt4), each a 4x batch
-    batch_size=512,       # a quarter of opt4's steps, each launching the same kernels on 4x the images
+    batch_size=512,       # a quarter of opt4's steps an epoch, each launching the same kernels on 4x the images
     lr=0.016,             # opt4's 0.008 x sqrt(512 / 128): the square-root rule for a 4x batch
     pct_start=0.25,       # OneCycleLR's warm-up: the first quarter of the steps, as opt2-opt4's
     min_size=16,          # the first epochs' image side; it grows in steps of 8 to 32
@@ -73,7 +73,8 @@ def parse_args():
 
 
 def started_by_torchrun():
-    """Whether torchrun started this process; exit 2 when only some of the variables it sets are there."""
+    """Whether torchrun started this process (RANK, LOCAL_RANK or WORLD_SIZE set); exit 2 if one is and any other of
+    the five torchrun sets is missing."""
     ranks = [name for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE") if name in os.environ]
     missing = [name for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
                if name not in os.environ]
@@ -138,7 +139,8 @@ def broadcast_buffers_keyword():
 
 
 def leave_process_group():
-    """Wait for every rank, then destroy the process group while still holding the barrier's handle (Gloo needs it)."""
+    """Wait for every rank, then destroy the process group while still holding the barrier's handle (without it,
+    torch 2.6's Gloo hung at exit: lab/README.md)."""
     barrier = dist.barrier(async_op=True)
     barrier.wait()
     dist.destroy_process_group()
@@ -158,8 +160,8 @@ def autocast_dtype(device):
 
 
 def load_to_device(dataset, device):
-    """A dataset's images (uint8, N x 3 x 32 x 32, channels_last in memory) and labels on `device`."""
-    images = torch.as_tensor(dataset.data).permute(0, 3, 1, 2)  # the NHWC bytes are already channels_last
+    """A dataset's images (uint8, N x 3 x 32 x 32) and labels on `device`."""
+    images = torch.as_tensor(dataset.data).permute(0, 3, 1, 2)  # N x H x W x 3 seen as N x 3 x H x W: a view, no copy
     return images.to(device), torch.as_tensor(dataset.targets).to(device)
 
 
@@ -186,7 +188,8 @@ def augment(images, offsets, flips, padding):
 
 def image_sizes(epochs, min_size=16, full_size=32, full_share=0.3):
     """Each epoch's image side, from min_size up in steps of 8: the last full_share of the epochs (at least one) at
-    full_size, the smaller sides the rest, equally (the smallest any left over): 16 x4, 24 x3, 32 x5 for 12 and 0.4."""
+    full_size, the smaller sides the rest, equally (the smallest any left over; too few epochs skip some): 16 x4,
+    24 x3, 32 x5 for 12 and 0.4."""
     smaller = range(min_size, full_size, 8)
     at_full = max(1, round(full_share * epochs)) if smaller else epochs
     rest = epochs - at_full
@@ -194,7 +197,8 @@ def image_sizes(epochs, min_size=16, full_size=32, full_share=0.3):
 
 
 def downscale(images, size):
-    """Shrink a batch of square images to size x size; each new pixel is the mean of the pixels it covers."""
+    """Shrink a batch of square images to size x size; each new pixel the mean of the pixels its area touches (from 32:
+    exact blocks at 16 and 8, overlapping windows at 24)."""
     return images if size == images.shape[-1] else F.interpolate(images, size=(size, size), mode="area")
 
 
@@ -222,7 +226,7 @@ def rank_share(draw, rank, batch_size):
 def empty_plan(train_data, statistics, padding, steps, batch_size, accum_steps=1):
     """What an epoch of `steps` steps reads and writes, at fixed addresses on `train_data`'s device: images, labels,
     statistics, padding, accum_steps as given; batches, offsets, flips and rates (plan_epoch's); cursor (the next
-    step); losses, correct; steps_left (of plan_epoch's epoch, counted by the step where it runs uncaptured)."""
+    step); losses, correct; steps_left (of plan_epoch's epoch, counted where the step's Python runs, not in replays)."""
     (images, labels), micro_batches = train_data, steps * accum_steps
     device = images.device
     return SimpleNamespace(
@@ -266,15 +270,16 @@ def onecycle_schedule(max_lr, total_steps, device, pct_start=RECIPE["pct_start"]
 def adamw(parameters, lr, device, weight_decay=RECIPE["weight_decay"]):  # opt5: the recipe's, stated once
     """torch's fused AdamW with its learning rate in a tensor on `device`."""
     # opt1: AdamW scales each weight's step by its recent gradients, so one rate suits every layer untuned
-    # opt3: fused: one op reads and writes each weight once (a few multi-tensor launches on a GPU), not a dozen passes
-    # opt4: the rate a tensor the schedule writes in place (a graph keeps a float); capturable=True: torch captures it
+    # opt3: fused: one op reads and writes each weight once (a few multi-tensor launches on a GPU), not some 8 passes
+    # opt4: the rate a tensor the schedule writes in place (a graph keeps a float); capturable=True, or no capture
     return torch.optim.AdamW(parameters, lr=torch.tensor(lr, device=device), weight_decay=weight_decay, fused=True,
                              capturable=True)
 
 
 def orthogonalize(matrix, steps, dtype):
     """Roughly the semi-orthogonal matrix nearest `matrix` (U V^T of its SVD) by `steps` Newton-Schulz iterations in
-    `dtype`, matmuls only: Keller Jordan's coefficients take every singular value not far below the largest near 1."""
+    `dtype`, matmuls only: Keller Jordan's coefficients take the singular values above a few % of the largest to
+    about 0.7-1.2 in 3 steps (torch.optim.Muon's docstring: 0.5-1.5)."""
     a, b, c = 3.4445, -4.7750, 2.0315
     tall = matrix.size(0) > matrix.size(1)
     x = (matrix.T if tall else matrix).to(dtype)  # wide: x x^T is the smaller Gram matrix
@@ -287,11 +292,11 @@ def orthogonalize(matrix, steps, dtype):
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon (Keller Jordan, 2024) for convolution filters; every other parameter goes to a second optimizer (AdamW).
-    A filter's step is its Nesterov momentum as a matrix (out x in*k*k), orthogonalized: every direction a step of one
-    size, so the rare ones a gradient step all but ignores learn as fast. Scaled by 0.2 sqrt(max(out, in*k*k)), it
-    matches AdamW's size (Moonlight, Liu et al., 2025): AdamW's rate carries over, and its weight decay if passed
-    as weight_decay (none by default; the recipe passes AdamW's)."""
+    """Muon (Keller Jordan, 2024) for convolution filters; every other parameter goes to a second optimizer (AdamW). A
+    filter's step is its Nesterov momentum as a matrix (out x in*k*k), orthogonalized: every direction not far below
+    the strongest a step of about one size, so the rare ones a gradient step all but ignores learn about as fast.
+    Scaled by 0.2 sqrt(max(out, in*k*k)), it matches AdamW's size (Moonlight, Liu et al., 2025): AdamW's rate
+    carries over, and its weight decay if passed as weight_decay (none by default; the recipe passes AdamW's)."""
 
     def __init__(self, filters, lr, weight_decay=0.0, momentum=0.9, steps=3, dtype=None):
         super().__init__(filters, dict(lr=lr, weight_decay=weight_decay, momentum=momentum))
@@ -328,7 +333,7 @@ def micro_batch_loss(model, criterion, plan, micro_batch, amp_dtype, size):  # o
     images = downscale(images, size).contiguous(memory_format=torch.channels_last)
     labels = plan.labels[indices]
     # opt1: autocast runs convolutions in 16-bit where it is native: half the memory traffic, tensor cores
-    # opt4: without autocast's cache of cast weights, which a CUDA graph capture must not keep
+    # opt4: without autocast's cache of cast weights, as torch's make_graphed_callables asks of a captured region
     with torch.autocast(images.device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32, cache_enabled=False):
         outputs = model(images)
         loss = criterion(outputs, labels)
@@ -356,7 +361,8 @@ def make_train_step(model, criterion, optimizers, plan, amp_dtype=torch.float32,
         if not all(isinstance(group["lr"], torch.Tensor) for group in optimizer.param_groups):
             raise TypeError(f"{type(optimizer).__name__}'s learning rate is a float, which a CUDA graph would keep: "
                             "use torch.optim.AdamW(..., lr=torch.tensor(rate, device=device), fused=True) (on CUDA "
-                            "also capturable=True), as adamw() does; torch's SGD reads its rate on the host: no graph")
+                            "also capturable=True), as adamw() does; torch's SGD reads a tensor rate on the host "
+                            "unless fused=True")
     scaler = scaler or torch.amp.GradScaler(enabled=False)  # disabled: scale, step and update pass straight through
     distributed = isinstance(model, DistributedDataParallel)  # opt6: DDP changes how a step zeroes and syncs
 
@@ -474,7 +480,7 @@ def evaluate(run, test_data, size):
     all_images, all_labels = (data[share] for data in test_data)
     # opt5: each image and its mirror in one batch of --batch-size (if even): the shape trained on
     batch_size = max(1, run.args.batch_size // 2)
-    # opt3: the totals stay on the device: one read at the end, not one wait per batch
+    # opt3: the totals stay on the device: read at the end, not waited for per batch
     total_loss = torch.zeros((), device=run.device)
     correct = torch.zeros((), dtype=torch.long, device=run.device)
     with torch.inference_mode():  # opt2: like no_grad, and also skips autograd's version tracking
@@ -537,12 +543,12 @@ def main():
     if args.compile:
         # opt1: fuses operations into fewer kernels: less memory traffic and Python overhead
         # opt5: dynamic=False: a graph for each image size (dynamic=True traced one a size too: lab/README.md)
-        # opt6: DDP's wrapper compiled: Dynamo splits the graph at its buckets, whose all-reduces overlap the backward
+        # opt6: DDP's wrapper compiled: Dynamo splits the graph where it estimates DDP's buckets end, to overlap them
         train_model.compile(dynamic=False)
     # opt2: label smoothing keeps the logits from growing without bound: better accuracy in few epochs
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     if args.optimizer == "muon":
-        # opt5: Muon for the filters, AdamW for the rest: more accuracy per epoch; Newton-Schulz in native 16-bit
+        # opt5: Muon for the filters, AdamW for the rest: more accuracy per epoch; Newton-Schulz in autocast's type
         filters = [parameter for parameter in model.parameters() if parameter.ndim == 4]
         others = adamw([parameter for parameter in model.parameters() if parameter.ndim != 4], max_lr, device)
         muon = Muon(filters, torch.tensor(max_lr, device=device), others.defaults["weight_decay"],

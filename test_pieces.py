@@ -329,7 +329,7 @@ def graph_row(pieces, capsys):
     assert plan.cursor.item() == 0, "the epoch's last step wraps the cursor to its first"
     float_rate = torch.optim.SGD(model.parameters(), lr=0.01)
     with pytest.raises(TypeError, match=r"SGD's learning rate is a float.*AdamW\(\.\.\., lr=torch\.tensor\(rate, "
-                                        r"device=device\), fused=True\).*capturable=True.*SGD.*no graph"):
+                                        r"device=device\), fused=True\).*capturable=True.*SGD.*unless fused=True"):
         pieces.make_train_step(model, nn.CrossEntropyLoss(), [float_rate], plan)
     # the second client: a string device, the row's adamw, and a step that takes the image size
     second = GridNet()
