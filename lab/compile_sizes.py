@@ -44,8 +44,9 @@ def main():
         return
     for setting in ("false", "true"):
         with tempfile.TemporaryDirectory() as cache:
-            child = subprocess.run([sys.executable, __file__, "--setting", setting, "--batch-size", str(args.batch_size),
-                                    "--sizes", *map(str, args.sizes)], capture_output=True, text=True,
+            command = [sys.executable, __file__, "--setting", setting, "--batch-size", str(args.batch_size),
+                       "--sizes", *map(str, args.sizes)]
+            child = subprocess.run(command, capture_output=True, text=True,
                                    env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache})
         if child.returncode != 0:
             common.fail(f"the dynamic={setting.title()} run failed: {child.stderr.strip().splitlines()[-1]}")

@@ -166,10 +166,16 @@ def test_a_run_again_replaces_the_one_before_at_its_seed_and_stage():
 
 # ------------------------------------------------------------------------------------ the commands
 
+LAUNCH_CLOCK = common.seconds_since_launch
+
+
 def run_screen_here(monkeypatch, capfd, *args):
     """screen.py's main() in this process with `args` (a fresh process costs seconds of imports); returns (its exit
     code, its output and its runs', its error output)."""
     monkeypatch.setattr(sys, "argv", ["screen.py", *map(str, args)])
+    if common.seconds_since_launch is LAUNCH_CLOCK:  # no clock of the test's own: the deadline counts from this call,
+        started = time.perf_counter()              # as from screen.py's start, not from the test session's
+        monkeypatch.setattr(common, "seconds_since_launch", lambda: time.perf_counter() - started)
     try:
         screen.main()
         code = 0
