@@ -299,7 +299,8 @@ class Muon(torch.optim.Optimizer):
     carries over, and its weight decay if passed as weight_decay (none by default; the recipe passes AdamW's)."""
 
     def __init__(self, filters, lr, weight_decay=0.0, momentum=0.9, steps=3, dtype=None):
-        super().__init__(filters, dict(lr=lr, weight_decay=weight_decay, momentum=momentum))
+        # capturable, as torch names a step safe to capture in a CUDA graph: tensor ops alone, nothing read on the host
+        super().__init__(filters, dict(lr=lr, weight_decay=weight_decay, momentum=momentum, capturable=True))
         device = self.param_groups[0]["params"][0].device
         native = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
         # Newton-Schulz iterations, and the type they run in: by default bfloat16 where a GPU runs it, else float32
@@ -356,13 +357,24 @@ def optimizer_step(optimizers, plan, scaler):
 def make_train_step(model, criterion, optimizers, plan, amp_dtype=torch.float32, scaler=None):
     """Makes the training step: a function whose every call is one optimizer step over `plan`, whole, reading only the
     device and nothing back, the same work on the same addresses each call, so a GPU can replay it as one CUDA graph.
-    It asks for plan_epoch before each epoch, and each rate a tensor updated in tensor ops."""
-    for optimizer in optimizers:
-        if not all(isinstance(group["lr"], torch.Tensor) for group in optimizer.param_groups):
-            raise TypeError(f"{type(optimizer).__name__}'s learning rate is a float, which a CUDA graph would keep: "
-                            "use torch.optim.AdamW(..., lr=torch.tensor(rate, device=device), fused=True) (on CUDA "
-                            "also capturable=True), as adamw() does; torch's SGD reads a tensor rate on the host "
-                            "unless fused=True")
+    It asks for plan_epoch before each epoch, and of `optimizers` (one or a list) each rate a float32 tensor on its
+    weights' device, read there: torch's Adam or AdamW with capturable=True, its SGD with fused=True, or one whose
+    defaults say capturable=True (Muon's); any other it refuses on every device, so a CPU run fails as a GPU's would."""
+    optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+    for optimizer, group in ((optimizer, group) for optimizer in optimizers for group in optimizer.param_groups):
+        # opt4: each rate a tensor the step writes (a graph keeps a float) and the optimizer reads on the device
+        name, rate, device = type(optimizer).__name__, group["lr"], group["params"][0].device
+        flag = "fused" if "fused" in group and "capturable" not in group else "capturable"  # SGD's; Adam's, AdamW's
+        use = f"{name}(..., lr=torch.tensor(rate, device=device), {flag}=True)"
+        if not (isinstance(rate, torch.Tensor) and rate.dtype == torch.float32 and rate.device == device):
+            raise TypeError(f"{name}'s learning rate must be a float32 tensor on its weights' device ({device}), which "
+                            f"each step writes in place: {use}")
+        if flag not in group:
+            raise TypeError(f"{name} does not say its step reads its rate on the device: use torch's AdamW with "
+                            "capturable=True or SGD with fused=True, or give yours a default capturable=True if so")
+        if not group[flag]:
+            why = "torch refuses to capture it otherwise" if flag == "capturable" else "it reads the rate on the host"
+            raise TypeError(f"{name} needs {flag}=True in a CUDA graph ({why}): {use}")
     scaler = scaler or torch.amp.GradScaler(enabled=False)  # disabled: scale, step and update pass straight through
     distributed = isinstance(model, DistributedDataParallel)  # opt6: DDP changes how a step zeroes and syncs
 
