@@ -132,8 +132,8 @@ NOT_A_LESSON = {
 
 
 def copied_pieces():
-    """{name: the script the README's copy table names it from}, for its functions and classes (a name in a later
-    row too, as opt5's micro_batch_loss, keeps the first)."""
+    """{name: the script the README's copy table names it from}, for its functions, classes and RECIPE (a name in a
+    later row too, as opt5's micro_batch_loss, keeps the first)."""
     readme = (ROOT / "README.md").read_text()
     table = readme[readme.index("## What to copy first"):].split("\n\n")[1].splitlines()[2:]
     pieces = {}
@@ -144,9 +144,13 @@ def copied_pieces():
 
 
 def top_level_sources(text):
-    """{name: (its lines, the indices of its docstring's lines)} of the top-level functions and classes in `text`."""
+    """{name: (its lines, the indices of its docstring's lines)} of the top-level functions, classes and assignments
+    (RECIPE) in `text`."""
     lines, found = text.splitlines(), {}
     for node in ast.parse(text).body:
+        if isinstance(node, ast.Assign):
+            found.update({target.id: (lines[node.lineno - 1:node.end_lineno], range(0)) for target in node.targets
+                          if isinstance(target, ast.Name)})
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
             first = min([node.lineno, *(decorator.lineno for decorator in node.decorator_list)])
             docstring = node.body[0] if ast.get_docstring(node) is not None else None

@@ -11,11 +11,12 @@ data-parallelism row's client under torchrun. A row of settings, not code, says 
 the captured step also under `-m cuda`.
 """
 import ast
+import builtins
 import functools
 import os
 import re
 import socket
-import sys
+import symtable
 import types
 from pathlib import Path
 
@@ -29,18 +30,13 @@ from torch.nn.parallel import DistributedDataParallel
 from conftest import cuda_test
 
 ROOT = Path(__file__).resolve().parent
-# All a copied piece may lean on besides the standard library: torch's modules a training script imports anyway
-TORCH_IMPORTS = """\
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel
-"""
+PAGE = ROOT / "docs" / "copy.md"  # the copy page: a block of code for each row of the table
+YOUR_SCRIPT = "Your script"  # the page's first block: it stands in for the client's script
+COPY_LINE = re.compile(r"^# copy from (\S+): (.+)$", re.M)
 CPU = torch.device("cpu")
 
 
-# ------------------------------------------------------------------------------------ the table, read
+# ------------------------------------------------------------------------------------ the table and the page, read
 
 def copy_table():
     """{optimization: (what to copy, what the client must give)} of each row of "What to copy first", in order."""
@@ -67,6 +63,25 @@ def row_names(optimization):
     return alone, replacements
 
 
+def copy_page():
+    """{heading: the code of its block} of the copy page, in order: the client's script, then one for each row."""
+    sections = re.split(r"^## (.+)\n", PAGE.read_text(), flags=re.M)[1:]
+    return {title: re.search(r"```python\n(.*?)```", body, re.S)[1]
+            for title, body in zip(sections[::2], sections[1::2])}
+
+
+def block_copies(block):
+    """[(file, names), ...] of a block's `# copy from file: name, name` lines, in order."""
+    return [(file, [name.strip() for name in names.split(",")]) for file, names in COPY_LINE.findall(block)]
+
+
+def block_imports(block):
+    """The import lines at the top level of a block (its own, all a copied piece may lean on)."""
+    lines = block.splitlines()
+    return "".join(lines[node.lineno - 1] + "\n" for node in ast.parse(block).body
+                   if isinstance(node, (ast.Import, ast.ImportFrom)))
+
+
 def definitions(source):
     """{name: (first line, last line)} of `source`'s top-level functions, classes (decorators included) and
     assignments."""
@@ -83,32 +98,14 @@ def definitions(source):
     return text.splitlines(), found
 
 
-def standard_library_imports(source):
-    """`source`'s import lines of standard-library modules (argparse, functools, types...)."""
-    lines = (ROOT / source).read_text().splitlines()
-    imports = [node for node in ast.parse("\n".join(lines)).body if isinstance(node, (ast.Import, ast.ImportFrom))]
-    return "".join(lines[node.lineno - 1] + "\n" for node in imports
-                   if (node.module if isinstance(node, ast.ImportFrom) else node.names[0].name).split(".")[0]
-                   in sys.stdlib_module_names)
-
-
-def copied(*pieces):
-    """A fresh module of exactly the named definitions, [(file, names), ...] in the order given (copied_source's)."""
-    module = types.ModuleType("client_pieces")
-    exec(compile(copied_source(*pieces), "<copied pieces>", "exec"), module.__dict__)
-    return module
-
-
-def copied_source(*pieces):
+def pieces_source(*pieces):
     """The source of exactly the named definitions, [(file, names), ...] in the order given, a later copy of a name
-    replacing an earlier one, after the standard library's and torch's imports; calls of common.py's copied names
-    lose their `common.`, as the autocast row says."""
-    code, imports, from_common = {}, [], set()
+    replacing an earlier one; calls of common.py's copied names lose their `common.`, as the page says."""
+    code, from_common = {}, set()
     for source, names in pieces:
         lines, found = definitions(source)
         missing = [name for name in names if name not in found]
         assert not missing, f"{source} defines no {missing}"
-        imports.append(standard_library_imports(source))
         for name in names:
             first, last = found[name]
             code[name] = "\n".join(lines[first - 1:last])
@@ -116,8 +113,53 @@ def copied_source(*pieces):
     source_code = "\n\n\n".join(code.values())
     for name in from_common:
         source_code = re.sub(rf"\bcommon\.{name}\b", name, source_code)
-    assert not re.search(r"\bcommon\.", source_code), "a copied piece leans on common.py"
-    return "".join(imports) + TORCH_IMPORTS + "\n\n" + source_code + "\n"
+    return source_code + "\n"
+
+
+def block_source(block):
+    """A block as a client file holds it: its `# copy from` lines replaced, where the first stands, by the definitions
+    they name."""
+    lines = block.splitlines(True)
+    at = next((index for index, line in enumerate(lines) if COPY_LINE.match(line)), len(lines))
+    rest = [line for line in lines[at:] if not COPY_LINE.match(line)]
+    return "".join(lines[:at]) + (pieces_source(*block_copies(block)) if at < len(lines) else "") + "".join(rest)
+
+
+def row_source(*optimizations, replaced=False):
+    """The imports of the rows' blocks (each once) and the pieces the rows name, applied in the order given (with
+    `replaced`, a later row's copies of earlier pieces replacing them, as "with the row above" says)."""
+    imports, pieces = [], []
+    for optimization in optimizations:
+        imports += [line for line in block_imports(copy_page()[optimization]).splitlines(True) if line not in imports]
+        alone, replacements = row_names(optimization)
+        pieces += alone + (replacements if replaced else [])
+    return "".join(sorted(imports, key=lambda line: (line.startswith("from"), line))) + "\n\n" + pieces_source(*pieces)
+
+
+def copied(*optimizations, replaced=False):
+    """A fresh module of the rows' imports and exactly the pieces they name (row_source's)."""
+    module = types.ModuleType("client_pieces")
+    exec(compile(row_source(*optimizations, replaced=replaced), "<copied pieces>", "exec"), module.__dict__)
+    return module
+
+
+def undefined_names(source, known=()):
+    """The global names `source` reads anywhere, in every function and class, on every path, that it neither defines
+    nor imports, builtins and `known` aside: each a NameError on the path that reaches it."""
+    table = symtable.symtable(source, "<client file>", "exec")
+    defined = {symbol.get_name() for symbol in table.get_symbols() if symbol.is_assigned() or symbol.is_imported()}
+
+    def read(scope):
+        names = {symbol.get_name() for symbol in scope.get_symbols()
+                 if symbol.is_referenced() and (scope.get_type() == "module" or symbol.is_global())}
+        return names.union(*(read(child) for child in scope.get_children()))
+    return sorted(read(table) - defined - set(dir(builtins)) - set(known))
+
+
+def your_names():
+    """The names the stand-in for the client's script defines for the blocks after it (its imports are its own)."""
+    table = symtable.symtable(copy_page()[YOUR_SCRIPT], "<your script>", "exec")
+    return {symbol.get_name() for symbol in table.get_symbols() if symbol.is_assigned() and not symbol.is_imported()}
 
 
 # ------------------------------------------------------------------------------------ the client
@@ -248,6 +290,15 @@ def transforms_row(pieces):
             total += loss.item()
         losses.append(total)
     assert learned(losses), losses
+    # the test images through the row's normalized_transform sit on the training inputs' scale; through the second
+    # client's own test transform (its own mean and std) they would not, and it would lose accuracy without a word
+    from torchvision import transforms
+    own = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))])
+    test_set = client_dataset(64, seed=1)  # the same images through each: the training one crops and flips them
+    trained, row_test, own_test = (torch.stack([image for image, _ in ClientImages(test_set, transform)])
+                                   for transform in (pieces.augmented_transform(), pieces.normalized_transform(), own))
+    assert (row_test.mean() - trained.mean()).abs() < 0.1 and (row_test.std() / trained.std() - 1).abs() < 0.1
+    assert (own_test.std() / trained.std() - 1).abs() > 0.4, "the tutorial's (0.5, 0.5): half the scale trained on"
 
 
 def data_row(pieces):
@@ -310,9 +361,13 @@ def step_epochs(pieces, model, optimizers, device=CPU, epochs=4, sizes=None):
         graphed = {None: pieces.cuda_graph(step, device)}
     else:  # the resizing row's step takes an image size: bound, one graph per size
         graphed = {size: pieces.cuda_graph(functools.partial(step, size), device) for size in set(sizes)}
-    rates, losses = torch.linspace(0.01, 0.001, steps, device=device), []
+    if hasattr(pieces, "onecycle_schedule"):  # the recipe row's table: each epoch its slice
+        rates = pieces.onecycle_schedule(0.01, epochs * steps, device).view(epochs, steps)
+    else:
+        rates = torch.linspace(0.01, 0.001, steps, device=device).expand(epochs, steps)
+    losses = []
     for epoch in range(epochs):
-        pieces.plan_epoch(plan, pieces.draw_epoch(len(labels), 16, 2, generator), rates)
+        pieces.plan_epoch(plan, pieces.draw_epoch(len(labels), 16, 2, generator), rates[epoch])
         for _ in range(steps):
             graphed[None if sizes is None else sizes[epoch]]()
         losses.append(plan.losses.mean().item())
@@ -393,6 +448,27 @@ def muon_row(pieces):
     assert learned(client_loop(second, optimizers, client_batches(client_dataset())))
 
 
+def recipe_row(pieces):
+    """The recipe's rate table for the second client's SGD at its own peak: OneCycleLR's rate at every step, warm-up a
+    quarter of them; set before each step, it trains; each test image scored with its mirror."""
+    assert (pieces.RECIPE["pct_start"], pieces.RECIPE["batch_size"], pieces.RECIPE["lr"]) == (0.25, 512, 0.016)
+    batches = client_batches(client_dataset())
+    schedule = pieces.onecycle_schedule(0.01, 8 * len(batches), SECOND_CLIENT_DEVICE)
+    assert schedule.argmax().item() == 2 * len(batches) - 1 and schedule.max().item() == pytest.approx(0.01)  # warm-up
+    model = GridNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    rates = iter(schedule.tolist())
+
+    def at_the_tables_rate(images, epoch):
+        optimizer.param_groups[0]["lr"] = next(rates)
+        return images
+    assert learned(client_loop(model, [optimizer], batches, epochs=8, prepare=at_the_tables_rate))
+    test_images, test_labels = client_batches(client_dataset(64, seed=1), batch_size=64)[0]
+    with torch.no_grad():
+        two_views = model(test_images) + model(test_images.flip(3))
+    assert (two_views.argmax(1) == test_labels).float().mean() > 0.9
+
+
 def free_port():
     """A port on 127.0.0.1 that nothing listens on, for a process group's rendezvous."""
     with socket.socket() as free:
@@ -442,6 +518,7 @@ ROWS = {"16-bit autocast where the hardware runs it, float32 elsewhere": autocas
         "the whole step on device buffers, one CUDA graph": graph_row,
         "progressive resizing (16, 24, then 32 px)": resizing_row,
         "Muon for the convolution filters, beside AdamW": muon_row,
+        "the recipe: 20 epochs of batch 512, lr 0.016": recipe_row,
         "data parallelism": parallelism_row}
 
 
@@ -458,28 +535,70 @@ def test_every_row_of_code_has_a_client_test_and_says_what_it_needs():
 
 @pytest.mark.parametrize("optimization", list(ROWS), ids=[name[:40] for name in ROWS])
 def test_a_row_copied_alone_into_the_client_does_what_it_promises(optimization, capsys):
-    pieces = copied(*row_names(optimization)[0])
+    pieces = copied(optimization)  # its block's imports and the names the row lists, nothing else
     exercise = ROWS[optimization]
     exercise(pieces, capsys) if exercise is graph_row else exercise(pieces)
 
 
 def test_a_row_that_names_too_little_fails():
-    pieces = copied(("opt4.py", ["empty_plan", "plan_epoch", "make_train_step", "cuda_graph", "load_to_device",
-                                 "draw_epoch"]), ("common.py", ["channel_statistics"]))  # without micro_batch_loss...
+    source = row_source("the whole step on device buffers, one CUDA graph").replace("def micro_batch_loss(", "def _(")
+    pieces = types.ModuleType("client_pieces")
+    exec(compile(source, "<copied pieces>", "exec"), pieces.__dict__)
     with pytest.raises(NameError, match="micro_batch_loss"):
         step_epochs(pieces, TutorialNet(), [capturable_adamw(TutorialNet().parameters())], epochs=1)
+    assert undefined_names(source) == ["micro_batch_loss"], "and the static check names it"
+
+
+# The copy page's order: the transforms row or the data row (alternatives: a loader's transforms, or none), then the
+# rest; the second client takes the data row's way, with the captured step
+PAGE_ORDER = ["16-bit autocast where the hardware runs it, float32 elsewhere", "`torch.compile`",
+              "the dataset on the device, batch augmentation", "the whole step on device buffers, one CUDA graph",
+              "progressive resizing (16, 24, then 32 px)", "Muon for the convolution filters, beside AdamW",
+              "the recipe: 20 epochs of batch 512, lr 0.016"]
 
 
 def sequence():
-    """The pieces of the data, graph, resizing, Muon and autocast rows, copied one row after another."""
-    order = ["the dataset on the device, batch augmentation", "the whole step on device buffers, one CUDA graph",
-             "progressive resizing (16, 24, then 32 px)", "Muon for the convolution filters, beside AdamW",
-             "16-bit autocast where the hardware runs it, float32 elsewhere"]
-    pieces = []
-    for optimization in order:
-        alone, replacements = row_names(optimization)
-        pieces += alone + replacements
-    return copied(*pieces)
+    """The pieces of the page's rows in its order (the data row's way), copied one row after another, a later row's
+    copy of a piece replacing the earlier one."""
+    return copied(*PAGE_ORDER, replaced=True)
+
+
+# ------------------------------------------------------------------------------------ the page, read as a client does
+
+def page_rows():
+    return [title for title in copy_page() if title != YOUR_SCRIPT]
+
+
+def test_the_page_has_a_block_for_each_row_in_the_tables_order_copying_the_names_the_row_lists():
+    assert page_rows() == list(copy_table())
+    for optimization in page_rows():
+        listed = {(file, name) for file, names in row_names(optimization)[0] for name in names}
+        copies = {(file, name) for file, names in block_copies(copy_page()[optimization]) for name in names}
+        assert copies == listed, optimization
+    order = [title for title in page_rows() if title in PAGE_ORDER or title.startswith("OneCycleLR")]
+    assert [title for title in order if not title.startswith("OneCycleLR")] == PAGE_ORDER, "the page's order"
+
+
+@pytest.mark.parametrize("optimization", page_rows(), ids=[name[:40] for name in page_rows()])
+def test_every_name_a_blocks_client_file_uses_is_defined_by_the_block_or_your_script(optimization):
+    # A client file: the block, its copy lines replaced by the pieces. A name neither its imports nor its pieces nor
+    # the client's script define would be a NameError, on whatever path first reaches it (an error path too)
+    assert undefined_names(block_source(copy_page()[optimization]), your_names()) == []
+
+
+@pytest.mark.parametrize("optimization", page_rows(), ids=[name[:40] for name in page_rows()])
+def test_a_block_without_any_one_of_its_imports_fails_the_check(optimization):
+    block = copy_page()[optimization]
+    imports = block_imports(block).splitlines(True)
+    for line in imports:
+        assert undefined_names(block_source(block.replace(line, "", 1)), your_names()) != [], f"unneeded: {line}"
+
+
+def test_your_script_on_the_page_defines_what_the_blocks_use_and_runs_alone():
+    script = copy_page()[YOUR_SCRIPT]
+    assert undefined_names(script) == []
+    assert {"device", "model", "optimizer", "criterion", "train_set", "test_set", "train_loader"} <= your_names()
+    assert re.search(r'^device = "cuda" if .* else "cpu"$', script, re.M), "a string device, as most scripts hold"
 
 
 def client_sgd(parameters, lr=0.01, device=CPU):
@@ -493,7 +612,7 @@ def client_sgd(parameters, lr=0.01, device=CPU):
                          ids=["AdamW", "the client's SGD", "in sequence"])
 def test_cuda_the_copied_step_replays_as_a_graph_with_host_syncs_forbidden(in_sequence, optimizer, capsys):
     gpu = torch.device("cuda")
-    pieces = sequence() if in_sequence else copied(*row_names("the whole step on device buffers, one CUDA graph")[0])
+    pieces = sequence() if in_sequence else copied("the whole step on device buffers, one CUDA graph")
     model = TutorialNet(global_pooling=True).to(gpu)
     filters = [parameter for parameter in model.parameters() if parameter.ndim == 4]
     others = [parameter for parameter in model.parameters() if parameter.ndim != 4]
@@ -514,3 +633,26 @@ def test_cuda_the_copied_step_replays_as_a_graph_with_host_syncs_forbidden(in_se
             torch.cuda.set_sync_debug_mode(0)
         losses.append(plan.losses.mean().item())
     assert "step: captured as a CUDA graph" in capsys.readouterr().out and losses[-1] < losses[0], losses
+
+
+def test_the_pieces_copy_under_the_mit_license_the_table_and_the_page_name_and_muon_keeps_its_credit():
+    license_text = (ROOT / "LICENSE").read_text()
+    assert license_text.startswith("MIT License\n") and "Copyright (c) 2026 the fast-cifar authors" in license_text
+    readme = (ROOT / "README.md").read_text()
+    heading = next(line for line in readme.splitlines() if line.startswith("## What to copy first"))
+    assert "(docs/copy.md)" in heading and "MIT" in heading and "(LICENSE)" in heading
+    assert "MIT-licensed (see LICENSE)" in PAGE.read_text()
+    for script in ("opt5.py", "opt6.py"):
+        lines, found = definitions(script)
+        muon, orthogonalize = ("\n".join(lines[found[name][0] - 1:found[name][1]])
+                               for name in ("Muon", "orthogonalize"))
+        assert "Muon (Keller Jordan, 2024)" in muon and "Keller Jordan's coefficients" in orthogonalize
+
+
+def test_the_autocast_rows_own_words_run_on_the_string_device_the_row_says_it_takes():
+    needs = copy_table()["16-bit autocast where the hardware runs it, float32 elsewhere"][1]
+    words = re.search(r"`(torch\.autocast\(.*?\))`", needs)[1]
+    for device in ("cpu", CPU):  # a string, as most scripts hold it, and a torch.device
+        dtype = torch.bfloat16
+        with eval(words, {"torch": torch, "device": device, "dtype": dtype}):
+            assert torch.is_autocast_enabled("cpu")

@@ -1,6 +1,8 @@
 """The copy table's rows applied one after another to the client of test_pieces.py (a later row's version of an earlier
-piece replacing it, as the row says), and the data-parallelism row's client under torchrun: two Gloo processes."""
+piece replacing it, as the row says); each block of the copy page run as a client file in a fresh process; and the
+data-parallelism row's client under torchrun: two Gloo processes."""
 import os
+import re
 import subprocess
 import sys
 import time
@@ -8,19 +10,38 @@ import time
 import pytest
 import torch
 import torch.nn as nn
+from PIL import Image
+from torchvision import transforms
 
 import root  # noqa: F401  (first: the repository's root on sys.path, for the scripts and common.py)
 from test_pieces import (  # noqa: E402
-    SECOND_CLIENT_DEVICE, GridNet, TutorialNet, capturable_adamw, copied_source, free_port, learned, row_names,
-    sequence, step_epochs)
+    YOUR_SCRIPT, GridNet, SECOND_CLIENT_DEVICE, TutorialNet, block_source, capturable_adamw, client_dataset,
+    client_sgd, copy_page, free_port, learned, page_rows, row_source, sequence, step_epochs)
 
 
-def test_the_rows_applied_one_after_another_train_the_second_client_with_muon_beside_its_sgd_at_its_own_rate():
+@pytest.mark.parametrize("optimization", page_rows(), ids=[name[:40] for name in page_rows()])
+def test_a_block_of_the_copy_page_runs_as_a_client_file_in_a_fresh_process_and_learns(optimization, tmp_path):
+    # The file a client ends with: its script (the page's stand-in), then the block, its copy lines replaced by the
+    # definitions they name; nothing else, run where no file of this repository can be imported
+    client = tmp_path / "client.py"
+    client.write_text(copy_page()[YOUR_SCRIPT] + "\n\n" + block_source(copy_page()[optimization]))
+    result = subprocess.run([sys.executable, str(client)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ""})
+    assert result.returncode == 0, result.stderr[-2000:]
+    losses = [float(loss) for loss in re.findall(r"epoch \d+: loss (\d+\.\d+)", result.stdout)]
+    assert len(losses) == 4 and losses[-1] < 0.8 * losses[0], result.stdout
+    accuracy = re.findall(r"test accuracy (\d\.\d+)", result.stdout)
+    assert all(float(value) > 0.9 for value in accuracy), result.stdout  # 4 classes: chance is 0.25
+
+
+def test_the_rows_in_the_pages_order_train_the_second_client_its_sgd_beside_muon_and_score_its_test_images():
+    # The second client (a string device, a 5 x 5-grid head, its SGD kept as the graph row asks) through the page's
+    # rows in order: autocast, the data on the device, the captured step, resizing, Muon, the recipe's rate table
     pieces = sequence()
     model = GridNet()
     filters = [parameter for parameter in model.parameters() if parameter.ndim == 4]
     others = [parameter for parameter in model.parameters() if parameter.ndim != 4]
-    sgd = torch.optim.SGD(others, lr=torch.tensor(0.1), momentum=0.9)  # uncaptured: its host read is no wait here
+    sgd = client_sgd(others, device=SECOND_CLIENT_DEVICE)
     sgd.param_groups[0]["lr_scale"] = 10  # the client's SGD at 10x the plan's rates, Muon at them
     muon = pieces.Muon(filters, torch.tensor(0.01))
     losses, plan = step_epochs(pieces, model, [muon, sgd], device=SECOND_CLIENT_DEVICE, sizes=pieces.image_sizes(4))
@@ -28,6 +49,18 @@ def test_the_rows_applied_one_after_another_train_the_second_client_with_muon_be
     last_rate = plan.rates[-1].item()
     assert (muon.param_groups[0]["lr"].item(), sgd.param_groups[0]["lr"].item()) == (
         pytest.approx(last_rate), pytest.approx(10 * last_rate))
+    # its test images as the data row says (the training statistics), each with its mirror (the recipe's two views),
+    # against its own test transform (the tutorial's normalization), which the data row replaces
+    test_set = client_dataset(64, seed=1)
+    images, labels = pieces.load_to_device(test_set, SECOND_CLIENT_DEVICE)
+    own = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))])
+    own_images = torch.stack([own(Image.fromarray(image)) for image in test_set.data])
+    model.eval()
+    with torch.no_grad():
+        inputs = pieces.normalize(images, plan.statistics)
+        row_way = ((model(inputs) + model(inputs.flip(3))).argmax(1) == labels).float().mean().item()
+        own_way = (model(own_images).argmax(1) == labels).float().mean().item()
+    assert row_way > 0.9 and own_way < row_way - 0.3, (row_way, own_way)
 
 
 def test_the_rows_applied_one_after_another_train_the_client():
@@ -44,6 +77,9 @@ def test_the_rows_applied_one_after_another_train_the_client():
 
 # The client's own data-parallel training, after the row's pieces: a tiny net, its data made alike on every rank
 DDP_CLIENT = """
+import torch.nn as nn
+import torch.nn.functional as F
+
 
 def main():
     world_size = int(os.environ["WORLD_SIZE"]) if started_by_torchrun() else 1
@@ -79,7 +115,7 @@ def test_the_data_parallel_row_copied_into_a_client_file_trains_two_ranks_to_equ
     # torchrun's two processes, Gloo between them, each on its share of the same global batches: DDP's averaged
     # gradients and the averaged BatchNorm statistics leave both ranks with the same model
     client = tmp_path / "client_ddp.py"
-    client.write_text(copied_source(*row_names("data parallelism")[0]) + DDP_CLIENT)
+    client.write_text(row_source("data parallelism") + DDP_CLIENT)
     port = free_port()
     started = time.monotonic()
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
