@@ -138,7 +138,7 @@ def print_settings(script, device, args):
 
 def pick_device(args):
     """torch.device for --device once machine.py's checks (one line each, before data loads) pass: a problem ends the
-    run (exit 2); auto falls back to the CPU saying why; under torchrun GPU LOCAL_RANK; --compile off where it can't."""
+    run (exit 2); auto falls back to the CPU saying why; --compile off where it can't."""
     fail_on(machine.torch_too_old())
     name = args.device
     if name in ("auto", "cuda"):
@@ -151,10 +151,7 @@ def pick_device(args):
         else:
             name = "cpu"
             say(f"{reason}: running on the CPU (slow; the scripts target CUDA)" + (f"; {remedy}" if remedy else ""))
-    device = torch.device(name)
-    if device.type == "cuda" and "LOCAL_RANK" in os.environ:
-        fail_on(machine.local_rank_past_gpus())
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))  # opt6 makes it current
+    device = torch.device(name)  # a rank's own GPU is opt6's choice
     if getattr(args, "compile", False):
         problem = machine.compile_problem(device)
         if problem is not None:

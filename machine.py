@@ -1,8 +1,7 @@
 """What this machine and its torch can run, each verdict one line: a torch older than the floor, no usable CUDA GPU
-(and why), a GPU this torch has no kernels for, torchrun's LOCAL_RANK past the GPUs a process sees, and why
-torch.compile cannot work here. common.pick_device asks these before any data loads; nothing here is a lesson or changes
-a setting of the run (compile_problem quiets one logger of torch's import noise): each returns a problem in words,
-with its remedy, or None.
+(and why), a GPU this torch has no kernels for, and why torch.compile cannot work here. common.pick_device asks these
+before any data loads; nothing here is a lesson or changes a setting of the run (compile_problem quiets one logger of
+torch's import noise): each returns a problem in words, with its remedy, or None.
 """
 import contextlib
 import functools
@@ -36,16 +35,6 @@ def torch_too_old():
         oldest = ".".join(map(str, OLDEST_TORCH))
         return (f"torch {torch.__version__} is older than {oldest}, the oldest these scripts run on: pip install "
                 f"'torch>={oldest}' (a build for your GPU: https://pytorch.org/get-started/locally)")
-    return None
-
-
-def local_rank_past_gpus():
-    """Under torchrun, where this process's LOCAL_RANK names a GPU it does not see."""
-    local_rank, gpus = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
-    if local_rank >= gpus:  # Slurm or MIG often shows each task one GPU
-        return (f"LOCAL_RANK is {local_rank}, but this process sees {gpus} GPU(s): start at most {gpus} per machine "
-                f"(--nproc_per_node={gpus}), or let every process see every GPU of its machine (Slurm: one torchrun "
-                f"per node, not one per GPU)")
     return None
 
 

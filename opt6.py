@@ -92,14 +92,32 @@ def point_to_torchrun(device, world_size):
               f"torchrun --standalone --nproc_per_node={gpus} {os.path.basename(sys.argv[0])} ...")
 
 
+def local_rank():
+    """This process's index among its machine's: LOCAL_RANK where the launcher sets it (torchrun does), else its rank in
+    the process group (torch.multiprocessing.spawn sets none: one machine), as dist.get_node_local_rank's fallback."""
+    return int(os.environ["LOCAL_RANK"]) if "LOCAL_RANK" in os.environ else dist.get_rank()
+
+
 def setup_distributed(device):
-    """(rank, world size, device): torchrun's when it started this process, else (0, 1, device) and no process group."""
+    """(rank, world size, device), the ranks the process group's: one the client started (torch.multiprocessing.spawn
+    and other launchers), or, under torchrun, one started here; neither: (0, 1, device). A GPU, as "cuda", "cuda:0"
+    or a torch.device, becomes this rank's own, torch.device("cuda", local rank); torch.autocast takes its .type."""
     device = torch.device(device)  # or the string a script may hold
-    if "WORLD_SIZE" not in os.environ:  # parse_args checked that torchrun's variables are all set or none
+    # opt6: ranks from a process group: torchrun's environment, or a group another launcher's process started
+    if not dist.is_initialized() and "WORLD_SIZE" not in os.environ:
         return 0, 1, device
     if device.type == "cuda":
-        # opt6: made current before any CUDA work: each process opens its CUDA context on GPU LOCAL_RANK, not GPU 0
+        gpus = torch.cuda.device_count()
+        if local_rank() >= gpus:  # Slurm or MIG often shows each process one GPU
+            common.fail(f"local rank {local_rank()}, but this process sees {gpus} GPU(s): start at most {gpus} per "
+                        f"machine (--nproc_per_node={gpus}), or let every process see every GPU of its machine (Slurm: "
+                        "one torchrun per node, not one per GPU)")
+        device = torch.device("cuda", local_rank())  # opt6: each rank its own GPU, whatever index it was given
+        # opt6: made current before any CUDA work: each process opens its CUDA context on its own GPU, not GPU 0
         torch.cuda.set_device(device)
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), device
+    if device.type == "cuda":
         # opt6: NCCL moves the gradients GPU to GPU (NVLink, InfiniBand); naming the GPU binds its communicator to it
         dist.init_process_group("nccl", device_id=device)
     else:
@@ -125,7 +143,7 @@ def rank_zero_first(world_size):
     if world_size == 1:
         yield
         return
-    turn = 0 if dist.get_rank() == 0 else 1 if int(os.environ["LOCAL_RANK"]) == 0 else 2
+    turn = 0 if dist.get_rank() == 0 else 1 if local_rank() == 0 else 2
     for this_turn in range(3):
         if this_turn == turn:
             yield

@@ -200,3 +200,10 @@ def test_the_carried_piece_check_fails_on_a_changed_line_its_script_does_not_tag
     piece = "\n".join(top_level_sources(text)[name][0])
     assert old in piece
     assert untagged_hunks(name, earlier, later, text.replace(piece, piece.replace(old, new, 1))) != []
+
+
+def test_opt6_stays_one_lesson_on_top_of_opt5_at_most_230_changed_lines():
+    # `diff -u opt5.py opt6.py | grep -c '^[+-]'`: data parallelism under any launcher, not a second rewrite
+    before, after = ((ROOT / name).read_text().splitlines() for name in ("opt5.py", "opt6.py"))
+    changed = [line for line in difflib.unified_diff(before, after, lineterm="", n=3) if line[:1] in "+-"]
+    assert len(changed) <= 230, len(changed)  # the headers (--- and +++) count, as grep counts them

@@ -150,7 +150,7 @@ def test_opt6_a_local_rank_past_the_visible_gpus_exits_2_with_one_line():
     env = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9"}
     patches = VISIBLE_GPU.format(count=1, capability=90, name="NVIDIA H100 80GB HBM3")
     result = run_on_fake_machine(patches, "opt6.py", *NO_DATA, "--no-compile", env=env)
-    assert_one_error_line(result, "LOCAL_RANK is 1, but this process sees 1 GPU(s): start at most 1 per machine "
+    assert_one_error_line(result, "local rank 1, but this process sees 1 GPU(s): start at most 1 per machine "
                                   "(--nproc_per_node=1)")
 
 
@@ -190,14 +190,15 @@ RecordCudaCalls().__enter__()
 
 def test_opt6_each_rank_sets_its_own_gpu_before_any_cuda_work_the_compiler_check_included():
     # torchrun's second process on a machine with 2 GPUs: everything it does on a GPU must be on GPU 1. Before it, the
-    # architecture check reads each GPU's capability, and the compiler check GPU 1's, by its number (properties, no
-    # work on a GPU); then opt6's setup makes GPU 1 current before the process group, its first CUDA work
+    # architecture check reads each GPU's capability, and the compiler check the current GPU's, given no number
+    # (properties, no work on a GPU); then opt6's setup makes GPU 1 current before the process group, its first CUDA
+    # work
     env = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9"}
     patches = VISIBLE_GPU.format(count=2, capability=90, name="NVIDIA H100 80GB HBM3") + RECORD_CUDA_CALLS
     result = run_on_fake_machine(patches, "opt6.py", *NO_DATA, "--compile", env=env)
     assert result.returncode == 0, result.stderr
     calls = json.loads(result.stderr.strip().splitlines()[-1])
-    assert calls == [["get_device_capability", 0], ["get_device_capability", 1], ["get_device_capability", 1],
+    assert calls == [["get_device_capability", 0], ["get_device_capability", 1], ["get_device_capability", None],
                      ["set_device", 1], ["init_process_group", 1]], calls
 
 
@@ -270,3 +271,37 @@ def test_opt6_rank_shares_are_disjoint_and_cover_the_epoch():
         shares = torch.cat([getattr(first, name), getattr(second, name)], dimension)
         assert torch.equal(shares, getattr(whole, name)), name
     assert all(torch.equal(getattr(share(0, 1, 16), name), getattr(whole, name)) for name in ("batches", "offsets"))
+
+
+@pytest.mark.parametrize("given", ["cuda", "cuda:0", torch.device("cuda"), torch.device("cuda", 1)],
+                         ids=["cuda", "cuda:0", "device cuda", "device cuda:1"])
+@pytest.mark.parametrize("environment, rank, expected", [({}, 1, 1), ({}, 0, 0), ({"LOCAL_RANK": "1"}, 3, 1)],
+                         ids=["spawn rank 1", "spawn rank 0", "torchrun's second machine, rank 3"])
+def test_opt6_turns_a_gpu_given_any_way_into_the_ranks_own(given, environment, rank, expected, monkeypatch):
+    # Two GPUs (mocked) and a process group the client's launcher started (mocked): torch.multiprocessing.spawn sets
+    # no LOCAL_RANK (one machine: the rank is the local rank), torchrun does; either way the rank's own GPU, made current
+    made_current = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", made_current.append)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: rank)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda *args, **kwargs: pytest.fail("started twice"))
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    assert opt6.setup_distributed(given) == (rank, 4, torch.device("cuda", expected))
+    assert made_current == [torch.device("cuda", expected)]
+    assert opt6.setup_distributed("cpu") == (rank, 4, CPU)  # a CPU stays the CPU
+
+
+def test_opt6_data_first_on_rank_0_then_on_each_machines_first_process_without_torchruns_local_rank(monkeypatch):
+    # Under torch.multiprocessing.spawn (no LOCAL_RANK): one machine, rank 0's turn first, then the others' together
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(torch.distributed, "barrier", lambda *args, **kwargs: turns.append("barrier"))
+    for rank, turn in ((0, 0), (1, 2)):
+        turns = []
+        monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: rank)
+        with opt6.rank_zero_first(world_size=2):
+            turns.append("body")
+        assert turns.index("body") == turn and turns.count("barrier") == 3, (rank, turns)

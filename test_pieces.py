@@ -656,3 +656,12 @@ def test_the_autocast_rows_own_words_run_on_the_string_device_the_row_says_it_ta
         dtype = torch.bfloat16
         with eval(words, {"torch": torch, "device": device, "dtype": dtype}):
             assert torch.is_autocast_enabled("cpu")
+
+
+def test_in_the_data_parallel_block_rank_0_alone_writes_files_as_its_row_says():
+    tree = ast.parse(copy_page()["data parallelism"])
+    saves = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.save"]
+    on_rank_0 = [node for branch in ast.walk(tree) if isinstance(branch, ast.If) and ast.unparse(branch.test) ==
+                 "rank == 0" for node in ast.walk(branch) if node in saves]
+    assert saves and on_rank_0 == saves
+    assert "rank 0 writes files" in copy_table()["data parallelism"][1]

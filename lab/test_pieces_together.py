@@ -5,11 +5,9 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
-import torch.nn as nn
 from PIL import Image
 from torchvision import transforms
 
@@ -19,12 +17,21 @@ from test_pieces import (  # noqa: E402
     client_sgd, copy_page, free_port, learned, page_rows, row_source, sequence, step_epochs)
 
 
-@pytest.mark.parametrize("optimization", page_rows(), ids=[name[:40] for name in page_rows()])
+def page_client(tmp_path, optimization):
+    """The client file of a block of the copy page: the stand-in script, then the block with its pieces pasted in."""
+    client = tmp_path / "client.py"
+    client.write_text(copy_page()[YOUR_SCRIPT] + "\n\n" + block_source(copy_page()[optimization]))
+    return client
+
+
+SINGLE_PROCESS_ROWS = [title for title in page_rows() if title != "data parallelism"]  # its launchers: below
+
+
+@pytest.mark.parametrize("optimization", SINGLE_PROCESS_ROWS, ids=[name[:40] for name in SINGLE_PROCESS_ROWS])
 def test_a_block_of_the_copy_page_runs_as_a_client_file_in_a_fresh_process_and_learns(optimization, tmp_path):
     # The file a client ends with: its script (the page's stand-in), then the block, its copy lines replaced by the
     # definitions they name; nothing else, run where no file of this repository can be imported
-    client = tmp_path / "client.py"
-    client.write_text(copy_page()[YOUR_SCRIPT] + "\n\n" + block_source(copy_page()[optimization]))
+    client = page_client(tmp_path, optimization)
     result = subprocess.run([sys.executable, str(client)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ""})
     assert result.returncode == 0, result.stderr[-2000:]
@@ -75,57 +82,61 @@ def test_the_rows_applied_one_after_another_train_the_client():
     assert all(not torch.equal(weight, old) for weight, old in zip(filters, before)), "every filter moved"
 
 
-# The client's own data-parallel training, after the row's pieces: a tiny net, its data made alike on every rank
-DDP_CLIENT = """
+@pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
+def test_the_data_parallel_blocks_client_trains_two_ranks_to_equal_weights_under_torchrun_and_under_spawn(
+        launcher, tmp_path):
+    # Two Gloo processes, each on its share of the same global batches: DDP's averaged gradients leave both ranks with
+    # the same model; torchrun's environment, or none (spawn: the client starts the group; no LOCAL_RANK)
+    client, port = page_client(tmp_path, "data parallelism"), free_port()
+    command = [sys.executable, str(client)] if launcher == "spawn" else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-backend=c10d", str(client)]
+    environment = {name: value for name, value in os.environ.items() if name not in ("LOCAL_RANK", "RANK")}
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=180,
+                            env={**environment, "OMP_NUM_THREADS": "1", "PYTHONPATH": "", "MASTER_PORT": str(port)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    checksums = dict(re.findall(r"rank (\d): weights' checksum (\S+)", result.stdout))
+    assert sorted(checksums) == ["0", "1"] and checksums["0"] == checksums["1"], result.stdout
+    losses = [float(loss) for loss in re.findall(r"epoch \d+: loss (\d+\.\d+)", result.stdout)]
+    assert len(losses) == 4 and losses[-1] < 0.8 * losses[0], result.stdout  # one log: rank 0's
+    assert (tmp_path / "model.pt").is_file()
+
+
+# A client of torch.multiprocessing.spawn: it starts the process group itself; each rank's BatchNorm sees other data
+SPAWN_BATCHNORM = """
 import torch.nn as nn
-import torch.nn.functional as F
 
 
-def main():
-    world_size = int(os.environ["WORLD_SIZE"]) if started_by_torchrun() else 1
-    rank, world_size, device = setup_distributed(torch.device("cpu"))
-    point_to_torchrun(device, world_size)
-    with rank_zero_first(world_size):  # the client's download, one machine at a time
-        generator = torch.Generator().manual_seed(0)
-        labels = torch.randint(0, 4, (64,), generator=generator)
-        images = torch.rand(64, 3, 8, 8, generator=generator) + labels.view(-1, 1, 1, 1)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                          nn.Linear(8, 4))
-    ddp = DistributedDataParallel(model, gradient_as_bucket_view=True, **{broadcast_buffers_keyword(): False})
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
-    for epoch in range(3):
-        batches = torch.randperm(64, generator=generator).view(4, 16)  # the same global batches on every rank
-        draw = (batches, torch.zeros(4, 2, 16, 1), torch.zeros(4, 16, 1, dtype=torch.bool))
-        for indices in rank_share(draw, rank, 16 // world_size)[0]:
-            F.cross_entropy(ddp(images[indices]), labels[indices]).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        average_batchnorm_buffers(model, world_size)
-    torch.save(model.state_dict(), sys.argv[1] + str(rank))
-    if world_size > 1:
-        leave_process_group()
+def spawned(rank, world_size, path):
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    rank, world_size, _ = setup_distributed("cpu")
+    with rank_zero_first(world_size):
+        torch.manual_seed(rank)
+        images = torch.randn(16, 3, 8, 8) * (1 + rank) + rank  # each rank its own data: its own statistics
+    norm = nn.BatchNorm2d(3)
+    norm(images)
+    before = [buffer.clone() for buffer in norm.buffers()]
+    average_batchnorm_buffers(norm, world_size)
+    torch.save({"world_size": world_size, "before": before, "after": list(norm.buffers())}, path + str(rank))
+    leave_process_group()
 
 
-main()
+if __name__ == "__main__":
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    torch.multiprocessing.spawn(spawned, args=(2, sys.argv[1]), nprocs=2)
 """
 
 
-def test_the_data_parallel_row_copied_into_a_client_file_trains_two_ranks_to_equal_weights(tmp_path):
-    # torchrun's two processes, Gloo between them, each on its share of the same global batches: DDP's averaged
-    # gradients and the averaged BatchNorm statistics leave both ranks with the same model
-    client = tmp_path / "client_ddp.py"
-    client.write_text(row_source("data parallelism") + DDP_CLIENT)
-    port = free_port()
-    started = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                             f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-backend=c10d", str(client),
-                             str(tmp_path / "rank")], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    seconds = time.monotonic() - started
+def test_under_spawn_the_ranks_batchnorm_buffers_are_averaged_across_the_process_group(tmp_path):
+    client = tmp_path / "client_spawn.py"
+    client.write_text(row_source("data parallelism") + SPAWN_BATCHNORM)
+    result = subprocess.run([sys.executable, str(client), str(tmp_path / "rank")], capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())})
     assert result.returncode == 0, result.stderr[-2000:]
     ranks = [torch.load(tmp_path / f"rank{rank}") for rank in (0, 1)]
-    assert ranks[0].keys() == ranks[1].keys()
-    assert all(torch.equal(ranks[0][name], ranks[1][name]) for name in ranks[0]), "the ranks' weights differ"
-    assert not torch.equal(ranks[0]["0.weight"], (torch.manual_seed(0), nn.Conv2d(3, 8, 3))[1].weight), "it trained"
-    assert seconds <= 30, f"{seconds:.0f} s"
+    assert [rank["world_size"] for rank in ranks] == [2, 2], "the process group's size, not torchrun's (unset)"
+    for index, name in enumerate(("running_mean", "running_var")):
+        before = [rank["before"][index] for rank in ranks]
+        assert not torch.allclose(before[0], before[1]), f"{name}: the ranks' own statistics must differ"
+        assert all(torch.allclose(rank["after"][index], (before[0] + before[1]) / 2) for rank in ranks), name
+    assert all(torch.equal(rank["after"][2], rank["before"][2]) for rank in ranks), "num_batches_tracked kept"
