@@ -643,7 +643,7 @@ def main():
         common.report(__file__, run, records, common.now(device) - start)
         if args.save:
             torch.save(model.state_dict(), args.save)
-    if world_size > 1:
+    if dist.is_initialized():  # a group of one too: torchrun with one process
         leave_process_group()  # opt6: the ranks end together, and then their process group
 
 

@@ -1,14 +1,16 @@
-"""The README's "What to copy first" table, applied to someone else's training script.
+"""The README's "What to copy first" table and its copy page (docs/copy.md), applied to someone else's training script.
 
 The client is a small training script of this file's own, in the shape of PyTorch's CIFAR-10 tutorial: its own small
 CNN with a classifier sized for 32 x 32 images, a plain loop, a standard optimizer. A second client, as the most
-copied CIFAR scripts are, holds its device as a string ("cpu"), has a classifier on a fixed 5 x 5 grid, and its SGD.
-Each row of the table is applied to it as the row says: exactly the names the row lists are copied (a name it does
-not list is missing, and the copy fails), from the file it names, into a fresh module that imports only the standard
-library and torch; the client gives the pieces what the row's third column asks, and the test checks what the row
-promises. Here each row is applied alone; lab/test_pieces_together.py applies them one after another, and runs the
-data-parallelism row's client under torchrun. A row of settings, not code, says "settings" and is exempt. On the CPU;
-the captured step also under `-m cuda`.
+copied CIFAR scripts are, holds its device as a string ("cpu"), has a classifier on a fixed 5 x 5 grid, its SGD and
+its own test transform. Each row of the table is applied to it as the row says: exactly the names the row lists are
+copied (a name it does not list is missing, and the copy fails), from the file it names, into a fresh module that
+imports only what the row's block on the copy page imports; the client gives the pieces what the row's third column
+asks, and the test checks what the row promises. The page itself is read as a client reads it: a block for each row,
+copying the row's names, every name its file uses defined, every import needed. Here each row is applied alone;
+lab/test_pieces_together.py applies them one after another, runs each block of the page in a fresh process, and the
+data-parallelism block under torchrun and torch.multiprocessing.spawn. A row of settings, not code, says "settings"
+and is exempt. On the CPU; the captured step also under `-m cuda`.
 """
 import ast
 import builtins
