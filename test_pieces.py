@@ -643,7 +643,7 @@ def test_the_pieces_copy_under_the_mit_license_the_table_and_the_page_name_and_m
     readme = (ROOT / "README.md").read_text()
     heading = next(line for line in readme.splitlines() if line.startswith("## What to copy first"))
     assert "(docs/copy.md)" in heading and "MIT" in heading and "(LICENSE)" in heading
-    assert "MIT-licensed (see LICENSE)" in PAGE.read_text()
+    assert "MIT-licensed (see [LICENSE](../LICENSE))" in PAGE.read_text()
     for script in ("opt5.py", "opt6.py"):
         lines, found = definitions(script)
         muon, orthogonalize = ("\n".join(lines[found[name][0] - 1:found[name][1]])
