@@ -95,7 +95,7 @@ def point_to_torchrun(device, world_size):
 def local_rank():
     """This process's index among its machine's: LOCAL_RANK where the launcher sets it (torchrun does), else its rank in
     the process group (torch.multiprocessing.spawn sets none: one machine), as dist.get_node_local_rank's fallback."""
-    return int(os.environ["LOCAL_RANK"]) if "LOCAL_RANK" in os.environ else dist.get_rank()
+    return int(os.environ["LOCAL_RANK"]) if "LOCAL_RANK" in os.environ else dist.get_rank()  # opt6: picks the GPU
 
 
 def setup_distributed(device):
@@ -107,12 +107,12 @@ def setup_distributed(device):
     if not dist.is_initialized() and "WORLD_SIZE" not in os.environ:
         return 0, 1, device
     if device.type == "cuda":
-        gpus = torch.cuda.device_count()
-        if local_rank() >= gpus:  # Slurm or MIG often shows each process one GPU
-            common.fail(f"local rank {local_rank()}, but this process sees {gpus} GPU(s): start at most {gpus} per "
-                        f"machine (--nproc_per_node={gpus}), or let every process see every GPU of its machine (Slurm: "
-                        "one torchrun per node, not one per GPU)")
-        device = torch.device("cuda", local_rank())  # opt6: each rank its own GPU, whatever index it was given
+        index, gpus = local_rank(), torch.cuda.device_count()
+        if index >= gpus:  # Slurm or MIG often shows each process one GPU
+            common.fail(f"local rank {index}, but this process sees {gpus} GPU(s): start at most {gpus} per machine "
+                        f"(--nproc_per_node={gpus}), or let every process see every GPU of its machine (Slurm: one "
+                        "torchrun per node, not one per GPU)")
+        device = torch.device("cuda", index)  # opt6: each rank its own GPU, whatever index it was given
         # opt6: made current before any CUDA work: each process opens its CUDA context on its own GPU, not GPU 0
         torch.cuda.set_device(device)
     if dist.is_initialized():
