@@ -135,7 +135,8 @@ def draw_epoch(image_count, batch_size, padding, generator, accum_steps=1):
 def empty_plan(train_data, statistics, padding, steps, batch_size, accum_steps=1):
     """What an epoch of `steps` steps reads and writes, at fixed addresses on `train_data`'s device: images, labels,
     statistics, padding, accum_steps as given; batches, offsets, flips and rates (plan_epoch's); cursor (the next
-    step); losses, correct; steps_left (of plan_epoch's epoch, counted where the step's Python runs, not in replays)."""
+    step); losses, correct; steps_left (of plan_epoch's epoch, counted where the step runs uncaptured: not in a
+    capture, nor in replays)."""
     (images, labels), micro_batches = train_data, steps * accum_steps
     device = images.device
     return SimpleNamespace(
@@ -298,7 +299,9 @@ def make_train_step(model, criterion, optimizers, plan, amp_dtype=torch.float32,
             # opt1: float16 gradients can underflow to zero; GradScaler scales the loss up, then back
             scaler.scale(loss).backward()
         optimizer_step(optimizers, plan, scaler)
-        plan.steps_left -= 1
+        # opt4: counted where the step runs: a capture, failed or not, records its kernels and runs none of them
+        if not (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()):
+            plan.steps_left -= 1
     return step
 
 
