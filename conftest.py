@@ -371,7 +371,8 @@ CHECKSUM_RANK = """
 import os, sys
 sys.path.insert(0, {root!r})
 import torch
-import opt6
+import common, opt6
+common.PROGRESS_SECONDS = 0  # a progress line after every step where a rank prints: a count, not a clock's
 """ + WEIGHTS_CHECKSUM + """
 sys.argv[0] = "opt6.py"
 opt6.main()

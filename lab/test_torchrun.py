@@ -77,6 +77,8 @@ def test_opt6_two_nodes_on_one_machine_finish_with_identical_weights_and_one_rep
     first, second = checksums(nodes[0].stderr + nodes[1].stderr)
     assert first == second, "the nodes' weights or BatchNorm statistics differ"
     assert [node.stdout.count("done:") for node in nodes] == [1, 0], "one report, from rank 0"
+    progress = [sum(line.startswith("  epoch ") for line in node.stdout.splitlines()) for node in nodes]
+    assert progress == [2 * 256 // 32, 0], "a progress line for each step, from rank 0 alone"
     report = read_json(json_path)
     assert report["world_size"] == 2 and report["epochs"][0]["images"] == 256, "one report of both nodes' images"
 
