@@ -81,12 +81,14 @@ def child_pids(pid):
 def test_a_rank_that_hangs_fails_its_test_in_time_and_is_killed(tmp_path):
     # torch 2.6's torchrun starts each rank in a session of its own: killing torchrun's group alone left the rank
     # alive, holding the output open, and the test waited for it for ever
-    hang = tmp_path / "hang.py"
-    hang.write_text("import time\ntime.sleep(600)\n")
+    # 15 s: torchrun has started its ranks well before (a few seconds on a loaded 2-core CPU), so the kill meets them
+    hang, started = tmp_path / "hang.py", tmp_path / "started"
+    hang.write_text(f"import os, time\nopen({str(started)!r} + os.environ['RANK'], 'w').close()\ntime.sleep(600)\n")
     start = time.monotonic()
-    with pytest.raises(pytest.fail.Exception, match="still running after 5 s"):
-        run_to_the_end(*TORCHRUN, hang, timeout=5)
+    with pytest.raises(pytest.fail.Exception, match="still running after 15 s"):
+        run_to_the_end(*TORCHRUN, hang, timeout=15)
     assert time.monotonic() - start < 60
+    assert sorted(path.name for path in tmp_path.glob("started*")) == ["started0", "started1"], "the ranks ran"
     ranks_left = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         with contextlib.suppress(OSError):  # a process that ended meanwhile
@@ -107,7 +109,7 @@ def test_opt6_compiled_ends(tmp_path):
     # at one image size and with AdamW: the fewest graphs a compiled rank makes (Muon's and a second size's take minutes
     # more to compile on torch 2.6 on 2 cores)
     result = run_to_the_end(*TORCHRUN, "opt6.py", *SMALL, "--epochs", 2, "--train-size", 256, "--batch-size", 16,
-                            "--optimizer", "adamw", "--min-size", 32, "--compile", timeout=300)
+                            "--optimizer", "adamw", "--min-size", 32, "--compile", timeout=900)
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("done:") == 1
 

@@ -413,7 +413,7 @@ def test_ablation_shifts_move_the_image_one_pixel_and_reflect_the_edge():
 def test_ablation_runs_each_row_in_its_own_process_and_scores_three_ways(tmp_path):
     out = tmp_path / "ablation.jsonl"
     result = run_python("lab/ablation.py", "--rows", "shipped", "ema", "smoothing-0", "--json", out, "--epochs", 2,
-                        "--train-size", 1024, "--batch-size", 64, "--label-smoothing", 0.2, "--no-compile", *SMALL)
+                        "--train-size", 1024, "--batch-size", 64, "--label-smoothing", 0.2, "--no-compile", *SMALL, timeout=1200)
     assert result.returncode == 0, result.stderr
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [line["row"] for line in lines] == ["shipped", "ema", "smoothing-0"]

@@ -247,7 +247,7 @@ def test_benchmark_measures_the_chain_by_the_readmes_command_on_a_cpu(tmp_path):
     # 515 images: 8 steps of 64, 4 of 128 and 1 of 512 an epoch, so 5 epochs for OneCycleLR's 5 steps at opt5's batch
     write_tiny_cifar10(tmp_path / "data", train_per_file=103, test_size=64)  # not the official bytes: none checks them
     result = run_python(*shlex.split(command)[1:], "--device", "cpu", "--train-size", 512, "--epochs", 5,
-                        "--data-dir", tmp_path / "data", "--json", json_path)
+                        "--data-dir", tmp_path / "data", "--json", json_path, timeout=1800)
     assert result.returncode == 0, result.stderr
     table = [line.split("|")[1:-1] for line in result.stdout.splitlines() if line.startswith("| ")][1:]  # no header
     scripts = ["baseline.py", "opt1.py", "opt2.py", "opt3.py", "opt4.py", "opt5.py"]

@@ -308,6 +308,6 @@ def test_opt6_a_failing_rank_ends_the_whole_job_with_its_message(tmp_path):
 def test_opt6_under_torchrun_with_one_process_trains_and_leaves_its_group_of_one():
     # The CPU twin of test_cuda's one-process run: torchrun starts a group of one, which opt6 now leaves at its end
     one_process = [arg.replace("--nproc_per_node=2", "--nproc_per_node=1") for arg in TORCHRUN]
-    result = run_python(*one_process, "opt6.py", *DDP_ARGS, "--train-size", 256, timeout=120)
+    result = run_python(*one_process, "opt6.py", *DDP_ARGS, "--train-size", 256, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "world size 1" in result.stdout and "step: run as a function" in result.stdout, result.stdout
