@@ -193,6 +193,10 @@ def make_train_step(model, criterion, optimizers, plan, amp_dtype=torch.float32,
         if not group[flag]:
             why = "torch refuses to capture it otherwise" if flag == "capturable" else "it reads the rate on the host"
             raise TypeError(f"{name} needs {flag}=True in a CUDA graph ({why}): {use}")
+    cast = {parameter.dtype for parameter in model.parameters()} - {torch.float32}
+    if cast:  # opt4: the step feeds float32 images, and autocast (amp_dtype) runs the 16-bit math on float32 weights
+        raise TypeError(f"the model's weights are {', '.join(map(str, cast))}, not float32: drop the cast (a "
+                        "model.half()) and pass amp_dtype=torch.float16 or torch.bfloat16 for 16-bit math")
     scaler = scaler or torch.amp.GradScaler(enabled=False)  # disabled: scale, step and update pass straight through
 
     def step():

@@ -205,8 +205,9 @@ class Muon(torch.optim.Optimizer):
     """Muon (Keller Jordan, 2024) for convolution filters; every other parameter goes to a second optimizer (AdamW). A
     filter's step is its Nesterov momentum as a matrix (out x in*k*k), orthogonalized: every direction not far below
     the strongest a step of about one size, so the rare ones a gradient step all but ignores learn about as fast.
-    Scaled by 0.2 sqrt(max(out, in*k*k)), it matches AdamW's size (Moonlight, Liu et al., 2025): AdamW's rate
-    carries over, and its weight decay if passed as weight_decay (none by default; the recipe passes AdamW's)."""
+    Scaled by 0.2 sqrt(max(out, in*k*k)), it matches AdamW's size (Moonlight, Liu et al., 2025): its rate is an AdamW
+    rate (the recipe's 0.016 at batch 512 for ResNet10), its own beside any optimizer (an SGD's 0.1 is some six times
+    it), and AdamW's weight decay carries over if passed as weight_decay (none by default; the recipe passes it)."""
 
     def __init__(self, filters, lr, weight_decay=0.0, momentum=0.9, steps=3, dtype=None):
         # capturable, as torch names a step safe to capture in a CUDA graph: tensor ops alone, nothing read on the host
@@ -285,6 +286,10 @@ def make_train_step(model, criterion, optimizers, plan, amp_dtype=torch.float32,
         if not group[flag]:
             why = "torch refuses to capture it otherwise" if flag == "capturable" else "it reads the rate on the host"
             raise TypeError(f"{name} needs {flag}=True in a CUDA graph ({why}): {use}")
+    cast = {parameter.dtype for parameter in model.parameters()} - {torch.float32}
+    if cast:  # opt4: the step feeds float32 images, and autocast (amp_dtype) runs the 16-bit math on float32 weights
+        raise TypeError(f"the model's weights are {', '.join(map(str, cast))}, not float32: drop the cast (a "
+                        "model.half()) and pass amp_dtype=torch.float16 or torch.bfloat16 for 16-bit math")
     scaler = scaler or torch.amp.GradScaler(enabled=False)  # disabled: scale, step and update pass straight through
 
     def step(size):  # opt5: the side of the images it trains on

@@ -65,11 +65,36 @@ def row_names(optimization):
     return alone, replacements
 
 
+def page_sections():
+    """{heading: its text} of the copy page, in order."""
+    sections = re.split(r"^## (.+)\n", PAGE.read_text(), flags=re.M)[1:]
+    return dict(zip(sections[::2], sections[1::2]))
+
+
 def copy_page():
     """{heading: the code of its block} of the copy page, in order: the client's script, then one for each row."""
-    sections = re.split(r"^## (.+)\n", PAGE.read_text(), flags=re.M)[1:]
-    return {title: re.search(r"```python\n(.*?)```", body, re.S)[1]
-            for title, body in zip(sections[::2], sections[1::2])}
+    return {title: re.search(r"```python\n(.*?)```", body, re.S)[1] for title, body in page_sections().items()}
+
+
+GRAPH_ROW = "the whole step on device buffers, one CUDA graph"
+
+
+def captured_blocks():
+    """{heading: its second block} of the rows that have one: the lines that take the row's place with the captured
+    step, after the graph row's block."""
+    blocks = {title: re.findall(r"```python\n(.*?)```", body, re.S) for title, body in page_sections().items()}
+    return {title: found[1] for title, found in blocks.items() if len(found) > 1}
+
+
+def captured_source(optimization):
+    """The graph row's block, then a row's block for the captured step, each with its pieces pasted in."""
+    return block_source(copy_page()[GRAPH_ROW]) + "\n\n" + block_source(captured_blocks()[optimization])
+
+
+def prose_code(body):
+    """The inline code of a section's prose that is a statement or a call: code a client would write."""
+    prose = re.sub(r"```.*?```", "", body, flags=re.S)
+    return [span for span in re.findall(r"`([^`\n]+)`", prose) if re.search(r"\(|\[|=", span)]
 
 
 def block_copies(block):
@@ -158,10 +183,15 @@ def undefined_names(source, known=()):
     return sorted(read(table) - defined - set(dir(builtins)) - set(known))
 
 
-def your_names():
-    """The names the stand-in for the client's script defines for the blocks after it (its imports are its own)."""
-    table = symtable.symtable(copy_page()[YOUR_SCRIPT], "<your script>", "exec")
+def assigned_names(source):
+    """The names `source` defines at its top level for the code after it (its imports are its own)."""
+    table = symtable.symtable(source, "<client file>", "exec")
     return {symbol.get_name() for symbol in table.get_symbols() if symbol.is_assigned() and not symbol.is_imported()}
+
+
+def your_names():
+    """The names the stand-in for the client's script defines for the blocks after it."""
+    return assigned_names(copy_page()[YOUR_SCRIPT])
 
 
 # ------------------------------------------------------------------------------------ the client
@@ -409,6 +439,34 @@ def graph_row(pieces, capsys):
         pieces.cuda_graph(lambda size: step(), SECOND_CLIENT_DEVICE)  # on every device, before any capture
 
 
+def test_the_graph_rows_step_follows_the_clients_own_loop_for_its_nchw_model_converted_as_the_row_says():
+    # The client's NCHW model and its images both in channels_last, as the row says: the step's weights stay within
+    # 1e-6 of the client's own loop on the same batches, crops and flips, its SGD at a float rate
+    pieces = copied(GRAPH_ROW)
+    images, labels = pieces.load_to_device(client_dataset(), CPU)
+    statistics = pieces.channel_statistics(images)
+    plan = pieces.empty_plan((images, labels), statistics, 2, 8, 16)
+    stepped, looped = (TutorialNet().to(memory_format=torch.channels_last) for _ in range(2))
+    step = pieces.make_train_step(stepped, nn.CrossEntropyLoss(), client_sgd(stepped.parameters()), plan)
+    client = torch.optim.SGD(looped.parameters(), lr=0.01, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    generator, losses = torch.Generator().manual_seed(0), []
+    for _ in range(2):
+        draw = pieces.draw_epoch(len(labels), 16, 2, generator)
+        pieces.plan_epoch(plan, draw, torch.full((8,), 0.01))
+        for indices, offsets, flips in zip(*draw):
+            step()
+            inputs = pieces.augment(pieces.normalize(images[indices], statistics), offsets, flips, 2)
+            loss = F.cross_entropy(looped(inputs.contiguous(memory_format=torch.channels_last)), labels[indices])
+            loss.backward()
+            client.step()
+            client.zero_grad()
+            losses.append(loss.item())
+    assert torch.allclose(plan.losses, torch.tensor(losses[8:]), rtol=1e-5, atol=1e-6), (plan.losses, losses[8:])
+    differences = [(a - b).abs().max().item() for a, b in zip(stepped.parameters(), looped.parameters())]
+    moved = max((a - b).abs().max().item() for a, b in zip(stepped.parameters(), TutorialNet().parameters()))
+    assert max(differences) < 1e-6 and moved > 1e-3, (differences, moved)
+
+
 def resizing_row(pieces):
     """Smaller images in the early epochs, the client's model made to take any size as the row says: global pooling,
     or pooling to the grid its classifier wants (the second client's)."""
@@ -519,7 +577,7 @@ ROWS = {"16-bit autocast where the hardware runs it, float32 elsewhere": autocas
         "the dataset on the device, batch augmentation": data_row,
         "the whole step on device buffers, one CUDA graph": graph_row,
         "progressive resizing (16, 24, then 32 px)": resizing_row,
-        "Muon for the convolution filters, beside AdamW": muon_row,
+        "Muon for the convolution filters, at its own rate": muon_row,
         "the recipe: 20 epochs of batch 512, lr 0.016": recipe_row,
         "data parallelism": parallelism_row}
 
@@ -555,7 +613,7 @@ def test_a_row_that_names_too_little_fails():
 # rest; the second client takes the data row's way, with the captured step
 PAGE_ORDER = ["16-bit autocast where the hardware runs it, float32 elsewhere", "`torch.compile`",
               "the dataset on the device, batch augmentation", "the whole step on device buffers, one CUDA graph",
-              "progressive resizing (16, 24, then 32 px)", "Muon for the convolution filters, beside AdamW",
+              "progressive resizing (16, 24, then 32 px)", "Muon for the convolution filters, at its own rate",
               "the recipe: 20 epochs of batch 512, lr 0.016"]
 
 
@@ -594,6 +652,29 @@ def test_a_block_without_any_one_of_its_imports_fails_the_check(optimization):
     imports = block_imports(block).splitlines(True)
     for line in imports:
         assert undefined_names(block_source(block.replace(line, "", 1)), your_names()) != [], f"unneeded: {line}"
+
+
+CAPTURED = list(captured_blocks())
+
+
+def test_code_a_client_writes_stands_in_the_pages_blocks_which_its_tests_run_not_in_its_prose():
+    # The prose names things (`make_train_step`, `"lr_scale"`); a statement or a call to write is in a block
+    assert {title: prose_code(body) for title, body in page_sections().items() if prose_code(body)} == {}
+    assert prose_code("pass it: `functools.partial(step, size)`, `x = 1`, `rates[epoch]`; `amp_dtype`") == [
+        "functools.partial(step, size)", "x = 1", "rates[epoch]"], "the check finds code in prose"
+    assert CAPTURED == ["progressive resizing (16, 24, then 32 px)",
+                        "Muon for the convolution filters, at its own rate", "the recipe: 20 epochs of batch 512, lr 0.016"]
+
+
+@pytest.mark.parametrize("optimization", CAPTURED, ids=[name[:40] for name in CAPTURED])
+def test_a_captured_step_block_uses_only_names_defined_before_it_and_needs_each_of_its_imports(optimization):
+    # Its client file: your script, the graph row's block, then this one, each block's copy lines replaced by pieces
+    assert undefined_names(captured_source(optimization), your_names()) == []
+    before = your_names() | assigned_names(block_source(copy_page()[GRAPH_ROW]))
+    block = captured_blocks()[optimization]
+    assert undefined_names(block_source(block), before) == []
+    for line in block_imports(block).splitlines(True):
+        assert undefined_names(block_source(block.replace(line, "", 1)), before) != [], f"unneeded: {line}"
 
 
 def test_your_script_on_the_page_defines_what_the_blocks_use_and_runs_alone():

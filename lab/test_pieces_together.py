@@ -13,8 +13,8 @@ from torchvision import transforms
 
 import root  # noqa: F401  (first: the repository's root on sys.path, for the scripts and common.py)
 from test_pieces import (  # noqa: E402
-    YOUR_SCRIPT, GridNet, SECOND_CLIENT_DEVICE, TutorialNet, block_source, capturable_adamw, client_dataset,
-    client_sgd, copy_page, free_port, learned, page_rows, row_source, sequence, step_epochs)
+    CAPTURED, YOUR_SCRIPT, GridNet, SECOND_CLIENT_DEVICE, TutorialNet, block_source, capturable_adamw, captured_source,
+    client_dataset, client_sgd, copy_page, free_port, learned, page_rows, row_source, sequence, step_epochs)
 
 
 def page_client(tmp_path, optimization):
@@ -39,6 +39,84 @@ def test_a_block_of_the_copy_page_runs_as_a_client_file_in_a_fresh_process_and_l
     assert len(losses) == 4 and losses[-1] < 0.8 * losses[0], result.stdout
     accuracy = re.findall(r"test accuracy (\d\.\d+)", result.stdout)
     assert all(float(value) > 0.9 for value in accuracy), result.stdout  # 4 classes: chance is 0.25
+
+
+def run_client(client_text, tmp_path):
+    """Run a client file in a fresh process where no file of this repository can be imported; returns its stdout."""
+    client = tmp_path / "client.py"
+    client.write_text(client_text)
+    result = subprocess.run([sys.executable, str(client)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ""})
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout
+
+
+@pytest.mark.parametrize("optimization", CAPTURED, ids=[name[:40] for name in CAPTURED])
+def test_a_captured_step_block_runs_after_the_graph_rows_as_a_client_file_in_a_fresh_process(optimization, tmp_path):
+    # Your script, the graph row's block (4 epochs), then the row's lines for the captured step (4 more)
+    output = run_client(copy_page()[YOUR_SCRIPT] + "\n\n" + captured_source(optimization), tmp_path)
+    losses = [float(loss) for loss in re.findall(r"epoch \d+: loss (\d+\.\d+)", output)]
+    assert len(losses) == 8 and max(losses[4:]) < 0.8 * losses[0], output
+
+
+MUON = "Muon for the convolution filters, at its own rate"
+FINAL_TEST_LOSS = """
+model.eval()
+with torch.no_grad():
+    test_loss = sum(criterion(model(images.to(device)), labels.to(device)).item() * len(labels)
+                    for images, labels in test_loader) / len(test_set)
+print(f"final test loss {test_loss:.4f}, test accuracy {test_accuracy():.3f}")
+"""
+
+
+def sgd_at_0_1(script, seed, with_batchnorm=False, epochs=8, batch_size=32, train_size=512):
+    """The page's stand-in with its SGD at 0.1 (momentum 0.9, Nesterov), seeded `seed`; with `with_batchnorm`, a
+    BatchNorm after each convolution, as the CIFAR scripts that run SGD at 0.1 have."""
+    replacements = {"lr=0.01": "lr=0.1", "torch.manual_seed(0)": f"torch.manual_seed({seed})",
+                    "epochs, batch_size = 4, 32": f"epochs, batch_size = {epochs}, {batch_size}",
+                    "Images(512, seed=0": f"Images({train_size}, seed=0"}
+    if with_batchnorm:
+        replacements.update({"nn.Conv2d(3, 6, 5), nn.ReLU()": "nn.Conv2d(3, 6, 5), nn.BatchNorm2d(6), nn.ReLU()",
+                             "nn.Conv2d(6, 16, 5), nn.ReLU()": "nn.Conv2d(6, 16, 5), nn.BatchNorm2d(16), nn.ReLU()"})
+    for old, new in replacements.items():
+        assert script.count(old) == 1, old
+        script = script.replace(old, new)
+    return script
+
+
+def final_test_loss(client_text, tmp_path):
+    output = run_client(client_text + FINAL_TEST_LOSS, tmp_path)
+    loss, accuracy = re.search(r"final test loss (\S+), test accuracy (\S+)", output).groups()
+    return float(loss), float(accuracy)
+
+
+def muon_block(muon_rate=None):
+    """The Muon block, beside the client's SGD at the client's 0.1; Muon at its own rate, or at `muon_rate`."""
+    block = copy_page()[MUON]
+    assert block.count("lr=0.01") == 1 and block.count("Muon(filters, lr=0.008") == 1
+    block = block.replace("lr=0.01", "lr=0.1")
+    return block_source(block if muon_rate is None else block.replace("lr=0.008", f"lr={muon_rate}"))
+
+
+def test_muon_at_its_own_rate_beside_a_clients_sgd_at_0_1_ends_no_worse_than_that_sgd_alone(tmp_path):
+    # The stand-in as a client at 0.1 runs: BatchNorm, batch 128, 2,048 images, 8 epochs (64 steps; in 4 epochs of 32
+    # images a step, SGD alone ended at 50 % in one seed of two). SGD alone, its own train(), against the Muon block
+    def client(seed):
+        return sgd_at_0_1(copy_page()[YOUR_SCRIPT], seed, with_batchnorm=True, batch_size=128, train_size=2048)
+    sgd = [final_test_loss(client(seed) + "\ntrain()\n", tmp_path) for seed in (0, 1)]
+    muon = [final_test_loss(client(seed) + "\n" + muon_block(), tmp_path) for seed in (0, 1)]
+    assert min(accuracy for _, accuracy in sgd) > 0.9, f"SGD alone well above chance (0.25): {sgd}"
+    (sgd_0, _), (sgd_1, _), (muon_0, _), (muon_1, _) = *sgd, *muon
+    spread = max(abs(sgd_0 - sgd_1), abs(muon_0 - muon_1))
+    assert (muon_0 + muon_1) / 2 <= (sgd_0 + sgd_1) / 2 + spread, (sgd, muon)
+
+
+def test_beside_sgd_at_0_1_muon_at_its_own_rate_learns_where_muon_at_the_sgds_rate_does_not(tmp_path):
+    # The stand-in as it stands (no BatchNorm) with its SGD at 0.1: Muon at the SGD's rate, as the block once had it,
+    # ends near chance; at its own rate it learns (the SGD alone, without Muon for the filters, collapses here)
+    own, at_sgds = (final_test_loss(sgd_at_0_1(copy_page()[YOUR_SCRIPT], 0) + "\n" + muon_block(rate), tmp_path)
+                    for rate in (None, 0.1))
+    assert own[1] > 0.9 and at_sgds[1] < 0.75 and own[0] < at_sgds[0], (own, at_sgds)
 
 
 def test_the_rows_in_the_pages_order_train_the_second_client_its_sgd_beside_muon_and_score_its_test_images():
