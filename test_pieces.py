@@ -86,9 +86,19 @@ def captured_blocks():
     return {title: found[1] for title, found in blocks.items() if len(found) > 1}
 
 
+EPOCHS_LINE = "# the epochs"  # where the graph row's block begins its epochs, which a captured-step block replaces
+
+
+def graph_head():
+    """The graph row's block up to its epochs: the plan, the step, the rates and the generator."""
+    block = copy_page()[GRAPH_ROW]
+    return block[:block.index(EPOCHS_LINE)]
+
+
 def captured_source(optimization):
-    """The graph row's block, then a row's block for the captured step, each with its pieces pasted in."""
-    return block_source(copy_page()[GRAPH_ROW]) + "\n\n" + block_source(captured_blocks()[optimization])
+    """The graph row's block up to its epochs, then a row's block for the captured step, each with its pieces pasted
+    in."""
+    return block_source(graph_head()) + "\n\n" + block_source(captured_blocks()[optimization])
 
 
 def prose_code(body):
@@ -670,7 +680,7 @@ def test_code_a_client_writes_stands_in_the_pages_blocks_which_its_tests_run_not
 def test_a_captured_step_block_uses_only_names_defined_before_it_and_needs_each_of_its_imports(optimization):
     # Its client file: your script, the graph row's block, then this one, each block's copy lines replaced by pieces
     assert undefined_names(captured_source(optimization), your_names()) == []
-    before = your_names() | assigned_names(block_source(copy_page()[GRAPH_ROW]))
+    before = your_names() | assigned_names(block_source(graph_head()))
     block = captured_blocks()[optimization]
     assert undefined_names(block_source(block), before) == []
     for line in block_imports(block).splitlines(True):

@@ -41,22 +41,64 @@ def test_a_block_of_the_copy_page_runs_as_a_client_file_in_a_fresh_process_and_l
     assert all(float(value) > 0.9 for value in accuracy), result.stdout  # 4 classes: chance is 0.25
 
 
-def run_client(client_text, tmp_path):
-    """Run a client file in a fresh process where no file of this repository can be imported; returns its stdout."""
-    client = tmp_path / "client.py"
+def run_client(client_text, folder, returncode=0, env=None):
+    """Run a client file in `folder` (its checkpoint's too), in a fresh process where no file of this repository can
+    be imported; returns its stdout."""
+    folder.mkdir(exist_ok=True)
+    client = folder / "client.py"
     client.write_text(client_text)
-    result = subprocess.run([sys.executable, str(client)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ""})
-    assert result.returncode == 0, result.stderr[-2000:]
+    result = subprocess.run([sys.executable, str(client)], cwd=folder, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": "", **(env or {})})
+    assert result.returncode == returncode, result.stderr[-2000:]
     return result.stdout
 
 
 @pytest.mark.parametrize("optimization", CAPTURED, ids=[name[:40] for name in CAPTURED])
-def test_a_captured_step_block_runs_after_the_graph_rows_as_a_client_file_in_a_fresh_process(optimization, tmp_path):
-    # Your script, the graph row's block (4 epochs), then the row's lines for the captured step (4 more)
+def test_a_captured_step_block_runs_in_place_of_the_graph_rows_epochs_in_a_fresh_process_and_learns(optimization,
+                                                                                                  tmp_path):
+    # Your script, the graph row's block up to its epochs, then the row's lines for the captured step
     output = run_client(copy_page()[YOUR_SCRIPT] + "\n\n" + captured_source(optimization), tmp_path)
     losses = [float(loss) for loss in re.findall(r"epoch \d+: loss (\d+\.\d+)", output)]
-    assert len(losses) == 8 and max(losses[4:]) < 0.8 * losses[0], output
+    assert len(losses) == 4 and losses[-1] < 0.8 * losses[0], output
+
+
+# Each client file of the page that trains in one process: your script's own train(), each row's block, each row's
+# block for the captured step
+RESUMED = {YOUR_SCRIPT: "train()\n", **{title: None for title in page_rows() if title not in (
+    "`torch.compile`", "data parallelism")}, **{f"{title}, captured": title for title in CAPTURED}}
+
+
+def resumable_client(name):
+    """The client file of `name` (RESUMED's), which exits (code 3) after saving the checkpoint of the epoch that
+    BREAK_AFTER names, and saves its final weights in final.pt."""
+    if name == YOUR_SCRIPT:
+        body = RESUMED[name]
+    elif name.endswith(", captured"):
+        body = captured_source(RESUMED[name])
+    else:
+        body = block_source(copy_page()[name])
+    lines = []
+    for line in (copy_page()[YOUR_SCRIPT] + "\n\n" + body).splitlines():
+        lines.append(line)
+        saved = re.match(r"( *)save_checkpoint\(epoch \+ 1\b", line)
+        if saved:  # a crash right after the checkpoint
+            lines.append(f'{saved[1]}if os.environ.get("BREAK_AFTER") == str(epoch + 1): sys.exit(3)')
+    assert any("BREAK_AFTER" in line for line in lines), f"{name}: no checkpoint saved"
+    return "import sys\n" + "\n".join(lines) + '\ntorch.save(model.state_dict(), "final.pt")\n'
+
+
+@pytest.mark.parametrize("name", list(RESUMED), ids=[name[:40] for name in RESUMED])
+def test_a_client_file_broken_after_an_epoch_and_resumed_ends_with_the_weights_of_the_unbroken_run(name, tmp_path):
+    client = resumable_client(name)
+    run_client(client, tmp_path / "unbroken")
+    broken = run_client(client, tmp_path / "resumed", returncode=3, env={"BREAK_AFTER": "1"})
+    resumed = run_client(client, tmp_path / "resumed")
+    assert re.findall(r"^epoch (\d+):", broken, re.M) == ["1"], broken
+    assert re.findall(r"^epoch (\d+):", resumed, re.M) == ["2", "3", "4"], resumed
+    unbroken, after_resuming = (torch.load(tmp_path / folder / "final.pt") for folder in ("unbroken", "resumed"))
+    assert list(unbroken) == list(after_resuming)
+    assert all(torch.equal(unbroken[key], after_resuming[key]) for key in unbroken), [
+        key for key in unbroken if not torch.equal(unbroken[key], after_resuming[key])]
 
 
 MUON = "Muon for the convolution filters, at its own rate"
@@ -85,7 +127,7 @@ def sgd_at_0_1(script, seed, with_batchnorm=False, epochs=8, batch_size=32, trai
 
 
 def final_test_loss(client_text, tmp_path):
-    output = run_client(client_text + FINAL_TEST_LOSS, tmp_path)
+    output = run_client(client_text + FINAL_TEST_LOSS, tmp_path / f"run{len(list(tmp_path.iterdir()))}")
     loss, accuracy = re.search(r"final test loss (\S+), test accuracy (\S+)", output).groups()
     return float(loss), float(accuracy)
 
