@@ -687,6 +687,25 @@ def test_a_captured_step_block_uses_only_names_defined_before_it_and_needs_each_
         assert undefined_names(block_source(block.replace(line, "", 1)), before) != [], f"unneeded: {line}"
 
 
+def test_the_page_names_the_pasted_names_scripts_often_hold_and_a_whole_word_rename_keeps_the_clients_own(
+        tmp_path, monkeypatch):
+    # A client whose transform is held in `normalize`: the data row's block pasted as it stands replaces it, and the
+    # client's next call of its transform fails naming the pasted function's arguments; renamed as the page says
+    # (whole words, in the pasted lines), both work
+    intro = PAGE.read_text().split("\n## ")[0]
+    for name in ("normalize", "augment", "adamw", "fail", "local_rank", "optimizer_step", "setup_distributed", "Muon"):
+        assert f"`{name}`" in intro, name
+    monkeypatch.chdir(tmp_path)  # the client's checkpoint
+    client = copy_page()[YOUR_SCRIPT] + "\nnormalize = transforms.Normalize(MEAN, STD)\n"
+    block = block_source(copy_page()["the dataset on the device, batch augmentation"]).replace("epochs)", "1)")
+    uses_its_transform = "\nnormalize(torch.rand(3, 32, 32))\n"
+    with pytest.raises(TypeError, match=r"normalize\(\) missing 1 required positional argument: 'statistics'"):
+        exec(compile(client + block + uses_its_transform, "<client file>", "exec"), {"__name__": "client"})
+    renamed = re.sub(r"\bnormalize\b", "normalize_batch", block)
+    (tmp_path / "checkpoint.pt").unlink()
+    exec(compile(client + renamed + uses_its_transform, "<client file>", "exec"), {"__name__": "client"})
+
+
 def test_your_script_on_the_page_defines_what_the_blocks_use_and_runs_alone():
     script = copy_page()[YOUR_SCRIPT]
     assert undefined_names(script) == []

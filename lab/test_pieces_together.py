@@ -13,7 +13,7 @@ from torchvision import transforms
 
 import root  # noqa: F401  (first: the repository's root on sys.path, for the scripts and common.py)
 from test_pieces import (  # noqa: E402
-    CAPTURED, YOUR_SCRIPT, GridNet, SECOND_CLIENT_DEVICE, TutorialNet, block_source, capturable_adamw, captured_source,
+    CAPTURED, PAGE, YOUR_SCRIPT, GridNet, SECOND_CLIENT_DEVICE, TutorialNet, block_source, capturable_adamw, captured_source,
     client_dataset, client_sgd, copy_page, free_port, learned, page_rows, row_source, sequence, step_epochs)
 
 
@@ -99,6 +99,24 @@ def test_a_client_file_broken_after_an_epoch_and_resumed_ends_with_the_weights_o
     assert list(unbroken) == list(after_resuming)
     assert all(torch.equal(unbroken[key], after_resuming[key]) for key in unbroken), [
         key for key in unbroken if not torch.equal(unbroken[key], after_resuming[key])]
+
+
+COUNT_GRAPHS = """
+from torch._dynamo.utils import counters
+print(f"graphs compiled: {counters['stats']['unique_graphs']}")
+"""
+
+
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_the_compile_blocks_client_compiles_the_graphs_the_page_names(drop_last, tmp_path):
+    # 500 training images, batches of 32: a smaller last batch, which the block drops. The page names two graphs, the
+    # training batches' and the evaluation's (no_grad); the last batch kept would be a third
+    script = copy_page()[YOUR_SCRIPT].replace("Images(512, seed=0", "Images(500, seed=0")
+    block = block_source(copy_page()["`torch.compile`"])
+    assert block.count("drop_last=True") == 1 and "Your script meets two compiles" in PAGE.read_text()
+    block = block if drop_last else block.replace("drop_last=True", "drop_last=False")
+    output = run_client(script + "\n\n" + block + COUNT_GRAPHS, tmp_path)
+    assert f"graphs compiled: {2 if drop_last else 3}" in output, output
 
 
 MUON = "Muon for the convolution filters, at its own rate"
