@@ -77,6 +77,7 @@ def copy_page():
 
 
 GRAPH_ROW = "the whole step on device buffers, one CUDA graph"
+MUON = "Muon for the convolution filters, at its own rate"
 
 
 def captured_blocks():
@@ -672,8 +673,8 @@ def test_code_a_client_writes_stands_in_the_pages_blocks_which_its_tests_run_not
     assert {title: prose_code(body) for title, body in page_sections().items() if prose_code(body)} == {}
     assert prose_code("pass it: `functools.partial(step, size)`, `x = 1`, `rates[epoch]`; `amp_dtype`") == [
         "functools.partial(step, size)", "x = 1", "rates[epoch]"], "the check finds code in prose"
-    assert CAPTURED == ["progressive resizing (16, 24, then 32 px)",
-                        "Muon for the convolution filters, at its own rate", "the recipe: 20 epochs of batch 512, lr 0.016"]
+    assert CAPTURED == ["progressive resizing (16, 24, then 32 px)", MUON,
+                        "the recipe: 20 epochs of batch 512, lr 0.016"]
 
 
 @pytest.mark.parametrize("optimization", CAPTURED, ids=[name[:40] for name in CAPTURED])

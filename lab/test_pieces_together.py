@@ -13,8 +13,9 @@ from torchvision import transforms
 
 import root  # noqa: F401  (first: the repository's root on sys.path, for the scripts and common.py)
 from test_pieces import (  # noqa: E402
-    CAPTURED, PAGE, YOUR_SCRIPT, GridNet, SECOND_CLIENT_DEVICE, TutorialNet, block_source, capturable_adamw, captured_source,
-    client_dataset, client_sgd, copy_page, free_port, learned, page_rows, row_source, sequence, step_epochs)
+    CAPTURED, PAGE, YOUR_SCRIPT, GridNet, SECOND_CLIENT_DEVICE, TutorialNet, block_source, capturable_adamw,
+    captured_source, client_dataset, client_sgd, copy_page, free_port, learned, page_rows, row_source, sequence,
+    step_epochs)
 
 
 def page_client(tmp_path, optimization):
@@ -238,6 +239,30 @@ def test_the_data_parallel_blocks_client_trains_two_ranks_to_equal_weights_under
     losses = [float(loss) for loss in re.findall(r"epoch \d+: loss (\d+\.\d+)", result.stdout)]
     assert len(losses) == 4 and losses[-1] < 0.8 * losses[0], result.stdout  # one log: rank 0's
     assert (tmp_path / "model.pt").is_file()
+
+
+def test_a_two_rank_runs_checkpoint_resumes_in_one_process(tmp_path):
+    # The data-parallel block's client under torchrun, broken after epoch 2 (rank 0 exits after its checkpoint; torchrun
+    # ends rank 1); then your script alone, in one process, resumes from rank 0's checkpoint: the weights load by the
+    # model's names, no "module." before them, and the last two epochs train
+    port = free_port()
+    client = tmp_path / "client.py"
+    client.write_text(resumable_client("data parallelism"))
+    environment = {name: value for name, value in os.environ.items() if name not in ("LOCAL_RANK", "RANK")}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--rdzv-endpoint=127.0.0.1:{port}",
+         "--rdzv-backend=c10d", str(client)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={**environment, "OMP_NUM_THREADS": "1", "PYTHONPATH": "", "MASTER_PORT": str(port), "BREAK_AFTER": "2"})
+    assert result.returncode != 0 and re.findall(r"^epoch (\d+):", result.stdout, re.M) == ["1", "2"], result.stdout
+    checkpoint = torch.load(tmp_path / "checkpoint.pt")
+    assert checkpoint["epoch"] == 2 and not any(name.startswith("module.") for name in checkpoint["model"])
+    resuming = '\ntrain()\nprint(f"test accuracy {test_accuracy():.3f}")\n'
+    output = run_client(copy_page()[YOUR_SCRIPT] + resuming, tmp_path)
+    assert re.findall(r"^epoch (\d+):", output, re.M) == ["3", "4"], output
+    first_loss, resumed_loss = (float(re.search(r"^epoch \d+: loss (\S+)", run, re.M)[1])
+                                for run in (result.stdout, output))
+    assert resumed_loss < first_loss, "from the trained weights, not from the start"
+    assert float(re.search(r"test accuracy (\S+)", output)[1]) > 0.5, output  # 4 classes: chance is 0.25
 
 
 # A client of torch.multiprocessing.spawn: it starts the process group itself; each rank's BatchNorm sees other data
