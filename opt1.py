@@ -1,8 +1,8 @@
 """opt1.py: baseline.py + mixed precision, torch.compile, AdamW and the cuDNN autotuner.
 
-16-bit autocast, torch.compile and the autotuner speed up the GPU's own work. Where the GPU waits on the loader, as
-baseline's DataLoader keeps an H200 waiting, they buy no speed: there opt1 was no faster than baseline (one run each),
-until opt2 and opt3 feed the GPU faster.
+16-bit autocast, torch.compile and the autotuner speed up the GPU's own work. On an H200 opt1 was no faster than
+baseline (one run each; it ran float16 there, whose GradScaler reads a flag on the host each step). Our guess, not
+profiled: the GPU waits on baseline's DataLoader, which opt2 and opt3 feed faster.
 
     python opt1.py --epochs 5               # CIFAR-10 in ./data, downloaded if missing
     python opt1.py --synthetic --epochs 2   # no download: measures speed only
