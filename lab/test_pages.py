@@ -160,6 +160,9 @@ def test_readme_cpu_figures_are_the_measured_data():
                    f"none on a CPU ({bf16['opt4'] / bf16['opt2, 0 workers']:.2f}x, "
                    f"{float32['opt4'] / float32['opt2, 0 workers']:.2f}x)"):
         assert bought in readme, bought
+    compile_log = (ROOT / "lab" / "results" / "compile_cpu.log").read_text()
+    compiling = re.search(r"^compiled: compiling and warm-up ([\d.]+) s", compile_log, re.M)[1]
+    assert f"opt4's step on the CPU: no gain, after {compiling} s of compiling" in readme
     curve = plot.convergence_runs(json_lines("curve.jsonl"))
     ahead = re.search(r"so opt5 is ([+-][\d.]+) points ahead", plot.curve_summary(curve)[0]).group(1)
     assert f"{ahead} points at equal time (CPU runs, AdamW)" in readme
