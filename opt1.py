@@ -1,4 +1,4 @@
-"""opt1.py: baseline.py + mixed precision, torch.compile, AdamW and the cuDNN autotuner.
+"""opt1.py: baseline.py + mixed precision, torch.compile (a padded last test batch), AdamW and the cuDNN autotuner.
 
 16-bit autocast, torch.compile and the autotuner speed up the GPU's own work. On an H200 opt1 was no faster than
 baseline (one run each; it ran float16 there, whose GradScaler reads a flag on the host each step). Our guess, not
