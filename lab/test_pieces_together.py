@@ -18,28 +18,9 @@ from test_pieces import (  # noqa: E402
     step_epochs)
 
 
-def page_client(tmp_path, optimization):
+def page_client(optimization):
     """The client file of a block of the copy page: the stand-in script, then the block with its pieces pasted in."""
-    client = tmp_path / "client.py"
-    client.write_text(copy_page()[YOUR_SCRIPT] + "\n\n" + block_source(copy_page()[optimization]))
-    return client
-
-
-SINGLE_PROCESS_ROWS = [title for title in page_rows() if title != "data parallelism"]  # its launchers: below
-
-
-@pytest.mark.parametrize("optimization", SINGLE_PROCESS_ROWS, ids=[name[:40] for name in SINGLE_PROCESS_ROWS])
-def test_a_block_of_the_copy_page_runs_as_a_client_file_in_a_fresh_process_and_learns(optimization, tmp_path):
-    # The file a client ends with: its script (the page's stand-in), then the block, its copy lines replaced by the
-    # definitions they name; nothing else, run where no file of this repository can be imported
-    client = page_client(tmp_path, optimization)
-    result = subprocess.run([sys.executable, str(client)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ""})
-    assert result.returncode == 0, result.stderr[-2000:]
-    losses = [float(loss) for loss in re.findall(r"epoch \d+: loss (\d+\.\d+)", result.stdout)]
-    assert len(losses) == 4 and losses[-1] < 0.8 * losses[0], result.stdout
-    accuracy = re.findall(r"test accuracy (\d\.\d+)", result.stdout)
-    assert all(float(value) > 0.9 for value in accuracy), result.stdout  # 4 classes: chance is 0.25
+    return copy_page()[YOUR_SCRIPT] + "\n\n" + block_source(copy_page()[optimization])
 
 
 def run_client(client_text, folder, returncode=0, env=None):
@@ -52,6 +33,31 @@ def run_client(client_text, folder, returncode=0, env=None):
                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": "", **(env or {})})
     assert result.returncode == returncode, result.stderr[-2000:]
     return result.stdout
+
+
+def torchrun(client_text, folder, env=None, timeout=180):
+    """Run a client file in `folder` under torchrun, two Gloo processes on a free port; returns the CompletedProcess."""
+    client, port = folder / "client.py", free_port()
+    client.write_text(client_text)
+    environment = {name: value for name, value in os.environ.items() if name not in ("LOCAL_RANK", "RANK")}
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--rdzv-endpoint=127.0.0.1:{port}",
+         "--rdzv-backend=c10d", str(client)], cwd=folder, capture_output=True, text=True, timeout=timeout,
+        env={**environment, "OMP_NUM_THREADS": "1", "PYTHONPATH": "", "MASTER_PORT": str(port), **(env or {})})
+
+
+SINGLE_PROCESS_ROWS = [title for title in page_rows() if title != "data parallelism"]  # its launchers: below
+
+
+@pytest.mark.parametrize("optimization", SINGLE_PROCESS_ROWS, ids=[name[:40] for name in SINGLE_PROCESS_ROWS])
+def test_a_block_of_the_copy_page_runs_as_a_client_file_in_a_fresh_process_and_learns(optimization, tmp_path):
+    # The file a client ends with: its script (the page's stand-in), then the block, its copy lines replaced by the
+    # definitions they name; nothing else, run where no file of this repository can be imported
+    output = run_client(page_client(optimization), tmp_path)
+    losses = [float(loss) for loss in re.findall(r"epoch \d+: loss (\d+\.\d+)", output)]
+    assert len(losses) == 4 and losses[-1] < 0.8 * losses[0], output
+    accuracy = re.findall(r"test accuracy (\d\.\d+)", output)
+    assert all(float(value) > 0.9 for value in accuracy), output  # 4 classes: chance is 0.25
 
 
 @pytest.mark.parametrize("optimization", CAPTURED, ids=[name[:40] for name in CAPTURED])
@@ -227,13 +233,15 @@ def test_the_data_parallel_blocks_client_trains_two_ranks_to_equal_weights_under
         launcher, tmp_path):
     # Two Gloo processes, each on its share of the same global batches: DDP's averaged gradients leave both ranks with
     # the same model; torchrun's environment, or none (spawn: the client starts the group; no LOCAL_RANK)
-    client, port = page_client(tmp_path, "data parallelism"), free_port()
-    command = [sys.executable, str(client)] if launcher == "spawn" else [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--rdzv-endpoint=127.0.0.1:{port}",
-        "--rdzv-backend=c10d", str(client)]
-    environment = {name: value for name, value in os.environ.items() if name not in ("LOCAL_RANK", "RANK")}
-    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=180,
-                            env={**environment, "OMP_NUM_THREADS": "1", "PYTHONPATH": "", "MASTER_PORT": str(port)})
+    if launcher == "torchrun":
+        result = torchrun(page_client("data parallelism"), tmp_path)
+    else:
+        client = tmp_path / "client.py"
+        client.write_text(page_client("data parallelism"))
+        environment = {name: value for name, value in os.environ.items() if name not in ("LOCAL_RANK", "RANK")}
+        result = subprocess.run([sys.executable, str(client)], cwd=tmp_path, capture_output=True, text=True,
+                                timeout=180, env={**environment, "OMP_NUM_THREADS": "1", "PYTHONPATH": "",
+                                                  "MASTER_PORT": str(free_port())})
     assert result.returncode == 0, result.stderr[-2000:]
     checksums = dict(re.findall(r"rank (\d): weights' checksum (\S+)", result.stdout))
     assert sorted(checksums) == ["0", "1"] and checksums["0"] == checksums["1"], result.stdout
@@ -246,14 +254,7 @@ def test_a_two_rank_runs_checkpoint_resumes_in_one_process(tmp_path):
     # The data-parallel block's client under torchrun, broken after epoch 2 (rank 0 exits after its checkpoint; torchrun
     # ends rank 1); then your script alone, in one process, resumes from rank 0's checkpoint: the weights load by the
     # model's names, no "module." before them, and the last two epochs train
-    port = free_port()
-    client = tmp_path / "client.py"
-    client.write_text(resumable_client("data parallelism"))
-    environment = {name: value for name, value in os.environ.items() if name not in ("LOCAL_RANK", "RANK")}
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--rdzv-endpoint=127.0.0.1:{port}",
-         "--rdzv-backend=c10d", str(client)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-        env={**environment, "OMP_NUM_THREADS": "1", "PYTHONPATH": "", "MASTER_PORT": str(port), "BREAK_AFTER": "2"})
+    result = torchrun(resumable_client("data parallelism"), tmp_path, env={"BREAK_AFTER": "2"}, timeout=300)
     assert result.returncode != 0 and re.findall(r"^epoch (\d+):", result.stdout, re.M) == ["1", "2"], result.stdout
     checkpoint = torch.load(tmp_path / "checkpoint.pt")
     assert checkpoint["epoch"] == 2 and not any(name.startswith("module.") for name in checkpoint["model"])
