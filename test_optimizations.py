@@ -929,6 +929,17 @@ def test_the_step_refuses_a_model_cast_to_16_bits_in_one_line_that_says_to_pass_
     module.make_train_step(model.float(), nn.CrossEntropyLoss(), optimizer, bare_plan(module, 2, 4))  # float32: taken
 
 
+def stub_the_capture(monkeypatch, graph, current):
+    """torch.cuda's graph calls, for cuda_graph on the CPU: `graph` as torch.cuda.graph, a replay that fails the test,
+    and streams whose current one is current["stream"] (the side stream is the current one's)."""
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: SimpleNamespace(replay=lambda: pytest.fail("replayed")))
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: current["stream"])
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: current["stream"])
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: current.update(stream=stream))
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+
+
 def test_a_capture_that_fails_says_why_in_one_line_and_the_step_runs_uncaptured_with_no_step_lost(monkeypatch,
                                                                                                capsys):
     default, capturing = (SimpleNamespace(name=name, wait_stream=lambda stream: None) for name in ("default", "capture"))
@@ -943,12 +954,7 @@ def test_a_capture_that_fails_says_why_in_one_line_and_the_step_runs_uncaptured_
         except RuntimeError:
             raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
 
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: SimpleNamespace(replay=lambda: pytest.fail("replayed")))
-    monkeypatch.setattr(torch.cuda, "graph", failing_graph)
-    monkeypatch.setattr(torch.cuda, "Stream", lambda: default)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: current["stream"])
-    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: current.update(stream=stream))
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    stub_the_capture(monkeypatch, failing_graph, current)
     monkeypatch.setattr(torch, "autocast", lambda *args, **kwargs: contextlib.nullcontext())  # float32
     dataset = common.synthetic_cifar10(256, train=True, transform=None)
 
@@ -1003,14 +1009,10 @@ def test_a_capture_that_fails_after_recording_the_whole_step_counts_that_step_on
                     tensor.copy_(value)
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: SimpleNamespace(replay=lambda: pytest.fail("replayed")))
-    monkeypatch.setattr(torch.cuda, "graph", capture_that_fails_at_its_end)
+    stub_the_capture(monkeypatch, capture_that_fails_at_its_end,
+                     {"stream": SimpleNamespace(wait_stream=lambda stream: None)})
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing["now"])
-    for name in ("Stream", "current_stream"):
-        monkeypatch.setattr(torch.cuda, name, lambda: SimpleNamespace(wait_stream=lambda stream: None))
-    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: None)
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     captured = module.cuda_graph(step, torch.device("cuda"))
     plan_the_epoch(module, run, 256, 1)
     for _ in range(len(run.plan.rates)):  # 8 steps: 3 warm-up, the capture that fails and its step uncaptured, 4 more
