@@ -18,8 +18,10 @@ import torch
 
 # The oldest torch the scripts run right on: requirements.txt's floor, which CI trains every script on
 OLDEST_TORCH = (2, 6)
-# PyTorch's own index of CUDA 12.6 builds: they run on NVIDIA drivers from 525 on and have kernels for sm_50 to sm_90
+# PyTorch's own index of CUDA 12.6 builds, published for torch 2.6 to 2.14 (2.15 on: CUDA 13 only). They run on NVIDIA
+# drivers from 525 on and, for Linux x86 and Windows, have kernels for sm_50 to sm_90 (pytorch/pytorch's RELEASE.md)
 CUDA_12_INDEX = "https://download.pytorch.org/whl/cu126"
+LAST_CUDA_12_TORCH = (2, 14)
 # The oldest NVIDIA driver each CUDA major version runs on (with CUDA's minor version compatibility)
 MIN_DRIVER = {11: 450, 12: 525, 13: 580}
 
@@ -48,24 +50,32 @@ def why_no_cuda():
     if sys.platform == "darwin":
         return "macOS has no CUDA", None  # and the scripts do not use Apple's GPU (MPS)
     if torch.version.cuda is None and torch.version.hip is None:
-        return (f"this torch ({torch.__version__}) is a CPU-only build",
-                f"for an NVIDIA GPU, install a CUDA build: pip install {this_torch()} --index-url {CUDA_12_INDEX}")
+        build, command = cuda_12_build()
+        return f"this torch ({torch.__version__}) is a CPU-only build", f"for an NVIDIA GPU, install {build}: {command}"
     warning = next((str(w.message) for w in caught if "driver" in str(w.message).lower()), "")
     found = re.search(r"too old \(found version (\d+)\)", warning)
     if found:
         driver_cuda = int(found.group(1))  # the newest CUDA the driver runs, as 1000 x major + 10 x minor
         major = int(torch.version.cuda.split(".")[0])
         remedy = f"update the driver to {MIN_DRIVER.get(major, 'a newer one')} or newer"
-        if major > 12:  # a CUDA 12 build of the same torch runs on drivers from 525 on
-            remedy += (f", or install the CUDA 12 build of this torch: pip install {this_torch()} "
-                       f"--index-url {CUDA_12_INDEX}")
+        if major > 12:  # a CUDA 12 build runs on drivers from 525 on
+            build, command = cuda_12_build()
+            remedy += f", or install {build}: {command}"
         return (f"a GPU is here, but its NVIDIA driver is too old for this torch's CUDA {torch.version.cuda} "
                 f"(it runs CUDA {driver_cuda // 1000}.{driver_cuda % 1000 // 10} at most)", remedy)
     return "torch sees no CUDA GPU", None
 
 
+def cuda_12_build():
+    """(which build, the pip command) for a CUDA 12.6 build: of this torch, or of 2.14, the last torch that has one."""
+    if torch_version() <= LAST_CUDA_12_TORCH:
+        return "the CUDA 12.6 build of this torch", f"pip install {this_torch()} --index-url {CUDA_12_INDEX}"
+    return ("the CUDA 12.6 build of torch 2.14, the last torch that has one",
+            f'pip install "torch==2.14.*" "torchvision==0.29.*" --index-url {CUDA_12_INDEX}')
+
+
 def this_torch():
-    """This torch and torchvision as pip requirements, without the build tag: torch==2.15.0 torchvision==0.29.2."""
+    """This torch and torchvision as pip requirements, without the build tag: torch==2.14.1 torchvision==0.29.1."""
     versions = [importlib.metadata.version(name).split("+")[0] for name in ("torch", "torchvision")]
     return f"torch=={versions[0]} torchvision=={versions[1]}"
 
@@ -83,8 +93,8 @@ def gpu_without_kernels():
         if any(kind == "sm" and number // 10 == major and number <= capability or
                kind == "compute" and number <= capability for kind, number in builds):
             continue
-        remedy = (f"install the CUDA 12.6 build of this torch, which has sm_50 to sm_90: pip install {this_torch()} "
-                  f"--index-url {CUDA_12_INDEX}" if capability < 75 else
+        build, command = cuda_12_build()
+        remedy = (f"install {build}, which has sm_50 to sm_90: {command}" if capability < 75 else
                   "install a newer torch built for it (https://pytorch.org/get-started/locally)")
         return (f"GPU {index} ({torch.cuda.get_device_name(index)}) is sm_{capability}, and this torch "
                 f"({torch.__version__}) has kernels for {' '.join(architectures)} only: {remedy}; or use --device cpu")

@@ -75,9 +75,30 @@ def test_a_cpu_only_torch_build_says_so_and_how_to_get_a_cuda_build():
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[0].startswith(f"this torch ({torch.__version__}) is a CPU-only build: running "
                                                     f"on the CPU (slow; the scripts target CUDA); for an NVIDIA GPU, "
-                                                    f"install a CUDA build: pip install torch==")
+                                                    f"install the CUDA 12.6 build of ")
     result = run_on_fake_machine(CPU_ONLY_BUILD, "baseline.py", *NO_DATA, "--device", "cuda")
     assert_one_error_line(result, "is a CPU-only build", "--index-url https://download.pytorch.org/whl/cu126")
+
+
+@pytest.mark.parametrize("version, build, command", [
+    ("2.6.0+cu124", "the CUDA 12.6 build of this torch", "pip install torch==2.6.0 torchvision==0.21.0"),
+    ("2.14.1+cu130", "the CUDA 12.6 build of this torch", "pip install torch==2.14.1 torchvision==0.29.1"),
+    # PyTorch published CUDA 12.6 builds for torch 2.6 to 2.14 only: a newer torch is pointed to 2.14's
+    ("2.15.0+cu130", "the CUDA 12.6 build of torch 2.14, the last torch that has one",
+     'pip install "torch==2.14.*" "torchvision==0.29.*"'),
+])
+def test_the_cuda_12_remedy_names_a_build_that_exists_for_this_torch(version, build, command, monkeypatch):
+    torchvision = {"2.6.0+cu124": "0.21.0", "2.14.1+cu130": "0.29.1", "2.15.0+cu130": "0.30.0"}[version]
+    installed = {"torch": version, "torchvision": torchvision}
+    monkeypatch.setattr(torch, "__version__", version)
+    monkeypatch.setattr(machine.importlib.metadata, "version", installed.get)
+    assert machine.cuda_12_build() == (build, f"{command} --index-url https://download.pytorch.org/whl/cu126")
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (7, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Tesla V100-SXM2-16GB")
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_75", "sm_80", "sm_90"])
+    assert f"install {build}, which has sm_50 to sm_90: {command} --index-url" in machine.gpu_without_kernels()
 
 
 def test_macos_says_it_has_no_cuda(monkeypatch):
