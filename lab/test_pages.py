@@ -60,8 +60,9 @@ def test_readme_chain_table_is_the_gpus_rows_each_with_its_commit_and_says_whose
             assert (accuracy, launch_to_result) == (f"{100 * row['test_accuracy']:.2f}",
                                                     f"{row['launch_to_result_seconds']:.1f}"), script
     assert table["opt6.py"][2] == "not run on a GPU"
-    assert f"the rows below add up to {sum(row['launch_to_result_seconds'] for row in rows.values()) / 60:.1f} " \
-           "minutes" in readme
+    shown = [row["launch_to_result_seconds"] for script, row in rows.items() if script != "opt5.py"]  # the table's
+    shown.append(statistics.mean(run["launch_to_result_seconds"] for run in recipe))  # cells: the recipe's mean
+    assert f"the rows below add up to {sum(shown) / 60:.1f} minutes" in readme
     # What each optimization bought on the GPU, in "What to copy first": ratios and differences of the rows
     speed = {script: row["images_per_second"].get("all") for script, row in rows.items()}
     accuracy = {script: 100 * row["test_accuracy"] for script, row in rows.items()}
@@ -96,6 +97,48 @@ def test_readme_chain_table_is_the_gpus_rows_each_with_its_commit_and_says_whose
     sentence = " ".join(readme[readme.index("Changed since their rows:"):].split("\n\n")[0].split())
     named = {f"{name}.py" for name in re.findall(r"\b(opt\d)\b", sentence.split(": today's code")[0])}
     assert named == changed and "today's code not measured on a GPU" in sentence
+
+
+# How the rows' CPUs are named in the README
+CPU_WORDS = {"AMD EPYC (AVX-512 BF16)": "AMD EPYC with AVX-512 BF16", "Intel Xeon (AMX-BF16)": "Intel Xeon with AMX"}
+AIRBENCH94_PUBLISHED = 94.01  # airbench94.py's mean on the official CIFAR-10, KellerJordan/cifar10-airbench's README
+
+
+def test_readmes_settings_versions_and_peer_are_the_rows():
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    gpu = plot.at_defaults(plot.gpu_runs([ROOT / path for path in plot.GPU_RUNS]))
+    settings = {script: runs[0]["settings"] for script, runs in gpu.items()}
+    recipe = h200_recipe_runs(gpu["opt5.py"][0]["commit"])
+    torch_versions = {run["torch"] for runs in gpu.values() for run in runs + recipe}
+    assert len(torch_versions) == 1 and f"one NVIDIA H200 (torch {torch_versions.pop()})" in readme
+    cpu_rows = plot.recipe_runs(json_lines("recipe.jsonl")) + json_lines("tests.jsonl")[-2:]
+    assert {row["torch"].split("+")[0] for row in cpu_rows} == {"2.14.1"} and "2-core CPUs (torch 2.14.1)" in readme
+    # the ~5 s a process of compiling torch's sources: the profile of opt4's run on that image
+    profile = (ROOT / "lab/results/h200-4faed98/opt4-epochs1-cprofile.txt").read_text()
+    compiling = float(re.search(r"^\s*\d+\s+[\d.]+\s+[\d.]+\s+([\d.]+).*builtins\.compile\}", profile, re.M)[1])
+    assert f"~{compiling:.0f} s a process of compiling torch's Python sources" in readme
+    # the peer on the same JPEG copy: airbench94's test accuracy with its mirrors, each run's "eval" line
+    log = (ROOT / "lab/results/h200-410ebec/airbench94.log").read_text()
+    airbench = [100 * float(line.split("|")[-3]) for line in log.splitlines() if "|   eval  |" in line]
+    assert f"~{AIRBENCH94_PUBLISHED - statistics.mean(airbench):.0f} points under the official data for a strong " \
+           f"model (airbench94 there: {spread(airbench, 2)} %, n = {len(airbench)})" in readme
+    # what changed between opt1's row and opt2's, beside the transforms' +6.83 points
+    opt1, opt2 = settings["opt1.py"], settings["opt2.py"]
+    assert f"batch {opt2['batch_size']} for {opt1['batch_size']}, a peak rate of {opt2['lr']:.0e} for " \
+           f"{opt1['lr']:.0e}".replace("e-0", "e-") in readme
+    assert f"1.77 ms a step at batch {settings['opt4.py']['batch_size']}" in readme
+    assert f"a 32-px one (batch {settings['opt5.py']['batch_size']})" in readme
+    assert {(run["settings"]["epochs"], run["settings"]["batch_size"], run["settings"]["lr"]) for run in recipe} == \
+        {(20, 512, 0.016)} and "the recipe: 20 epochs of batch 512, lr 0.016" in readme
+    seeds = [str(run["settings"]["seed"]) for run in recipe]
+    assert f"(opt5's three runs: seeds {', '.join(seeds[:-1])} and {seeds[-1]})" in readme
+    for command in ("python -m pytest -q", "python -m pytest -q lab"):  # each tier's newest row, as the first screen
+        tests = [row for row in json_lines("tests.jsonl") if row["command"] == command and row["alone"]][-1]
+        assert f"min ({CPU_WORDS[tests['cpu']]}, at {tests['commit']}) |" in readme, command
+    cpu_recipe = plot.recipe_runs(json_lines("recipe.jsonl"))
+    assert {run["cpu"] for run in cpu_recipe} == {"AMD EPYC (AVX-512 BF16)"}
+    assert f"min ({CPU_WORDS['AMD EPYC (AVX-512 BF16)']}) |" in readme
+    assert f"min ({CPU_WORDS['Intel Xeon (AMX-BF16)']}; older code" in readme  # opt4's CPU runs (checked above)
 
 
 def test_readmes_zero_ops_outside_the_graph_is_the_h200_trace_counted_by_eager_ops():
