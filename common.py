@@ -95,12 +95,12 @@ def build_parser(description, batch_size, lr, epochs=5):
     add = parser.add_argument
     add("--epochs", type=positive_int, default=epochs, help=f"passes over the training set (default: {epochs})")
     add("--batch-size", type=positive_int, default=batch_size,
-        help=f"images per training step (default: {batch_size})")
-    add("--lr", type=positive_float, default=lr, help=f"learning rate (default: {lr})")
+        help=f"images per forward and backward pass, in each process (default: {batch_size})")
+    add("--lr", type=positive_float, default=lr, help=f"learning rate; a one-cycle schedule's peak where the script has one (default: {lr})")
     add("--data-dir", default="./data", help="CIFAR-10 location; downloaded there if missing (default: ./data)")
     add("--device", choices=["auto", "cuda", "cpu"], default="auto",
         help="auto = cuda if available, else cpu (default: auto)")
-    add("--seed", type=int, default=0, help="random seed for weights and shuffling (default: 0)")
+    add("--seed", type=int, default=0, help="random seed for the weights, the images' order and any augmentation (default: 0)")
     add("--synthetic", action="store_true",
         help="learnable random data made in memory, no download: for speed, not accuracy (default: off)")
     add("--train-size", type=positive_int, default=None,

@@ -1,8 +1,9 @@
 """opt1.py: baseline.py + mixed precision, torch.compile (a padded last test batch), AdamW and the cuDNN autotuner.
 
-16-bit autocast, torch.compile and the autotuner speed up the GPU's own work. On an H200 opt1 was no faster than
-baseline (one run each; it ran float16 there, whose GradScaler reads a flag on the host each step). Our guess, not
-profiled: the GPU waits on baseline's DataLoader, which opt2 and opt3 feed faster.
+16-bit autocast, torch.compile and the autotuner speed up the GPU's own work. On an H200 opt1 stepped at 1.18x, then
+0.88x, baseline's images/s (the same code, two runs each; float16 there, whose GradScaler reads a flag on the host each
+step), and was slower from launch to result (compiling). Our guess, not profiled: the GPU waits on baseline's
+DataLoader, which opt2 and opt3 feed faster.
 
     python opt1.py --epochs 5               # CIFAR-10 in ./data, downloaded if missing
     python opt1.py --synthetic --epochs 2   # no download: measures speed only
@@ -32,7 +33,7 @@ def parse_args():
 def autocast_dtype(device):
     """The 16-bit type `device` runs natively, or float32 where it has none; and why, in words, for the log."""
     if torch.device(device).type == "cuda":  # a torch.device, or the string a script may hold
-        # opt1: bfloat16 only where the GPU runs it natively (emulated it is slow): float32's range, so no GradScaler
+        # opt1: bfloat16 only where the GPU runs it natively (sm_80 on): float32's range, so no GradScaler
         if torch.cuda.is_bf16_supported(including_emulation=False):
             return torch.bfloat16, "bfloat16 autocast: this GPU runs it natively, with float32's range"
         return torch.float16, "float16 autocast: no bfloat16 below sm_80; the tensor cores of V100 and T4 run float16"

@@ -48,10 +48,11 @@ def parse_args():
     parser.add_argument("--label-smoothing", type=common.fraction, default=RECIPE["label_smoothing"],
                         help=f"weight of a uniform target mixed into each label (default: {RECIPE['label_smoothing']})")
     parser.add_argument("--min-size", type=int, default=RECIPE["min_size"], choices=[8, 16, 24, 32],
-                        help=f"first epoch's image side, growing to 32 by the last (default: {RECIPE['min_size']})")
+                        help=f"smallest image side, the first epochs' (too few epochs skip it); 32 by the last (default: "
+                             f"{RECIPE['min_size']})")
     parser.add_argument("--full-size-share", type=common.fraction, default=RECIPE["full_size_share"],
                         help="share of the epochs at the full size, the last ones (at least one); the smaller sizes "
-                             f"share the rest equally (default: {RECIPE['full_size_share']})")
+                             f"share the rest as evenly as they can (default: {RECIPE['full_size_share']})")
     parser.add_argument("--monitor-size", type=common.positive_int, default=RECIPE["monitor_size"],
                         help=f"test images evaluated after each epoch but the last (default: {RECIPE['monitor_size']})")
     parser.add_argument("--optimizer", choices=["muon", "adamw"], default=RECIPE["optimizer"],
@@ -66,7 +67,7 @@ def parse_args():
 def autocast_dtype(device):
     """The 16-bit type `device` runs natively, or float32 where it has none; and why, in words, for the log."""
     if torch.device(device).type == "cuda":  # a torch.device, or the string a script may hold
-        # opt1: bfloat16 only where the GPU runs it natively (emulated it is slow): float32's range, so no GradScaler
+        # opt1: bfloat16 only where the GPU runs it natively (sm_80 on): float32's range, so no GradScaler
         if torch.cuda.is_bf16_supported(including_emulation=False):
             return torch.bfloat16, "bfloat16 autocast: this GPU runs it natively, with float32's range"
         return torch.float16, "float16 autocast: no bfloat16 below sm_80; the tensor cores of V100 and T4 run float16"

@@ -71,7 +71,8 @@ def test_compile_cpus_defaults_are_opt4s():
     usage = one_line(run_tool("lab/compile_cpu.py", "--help", timeout=120))
     for flag, default in [("--batch-size", 128), ("--steps-per-block", 8), ("--blocks", 6), ("--evaluated", 2000)]:
         assert re.search(rf"{flag} [A-Z_]+ [^-]*\(default: {default}\)", usage), f"{flag}'s default is {default}"
-    assert "images per training step (default: 128)" in one_line(run_tool("opt4.py", "--help", timeout=120))
+    assert "images per forward and backward pass, in each process (default: 128)" in \
+        one_line(run_tool("opt4.py", "--help", timeout=120))
 
 
 def test_compile_cpu_times_opt4s_step_both_ways_and_projects_the_run_at_its_batch():
