@@ -291,17 +291,18 @@ def cifar10(data_dir, train, transform):
 def read_cifar10(folder, names, transform):
     """The images (N x 32 x 32 x 3 uint8) and labels of CIFAR-10's pickled batches `names` in `folder`, as torchvision
     reads them, but without its md5 check of all six files (180 MB) for each set at every load and without
-    importing torchvision; exit 2 on a file that does not unpickle."""
+    importing torchvision; exit 2 on a file that is not such a batch."""
     batches = []
     for name in names:
         try:
             with open(folder / name, "rb") as file:
-                batches.append(pickle.load(file, encoding="latin1"))
-        except (pickle.UnpicklingError, EOFError, ValueError, KeyError) as error:
+                batch = pickle.load(file, encoding="latin1")
+            batches.append((batch["data"], batch["labels"]))
+        except (pickle.UnpicklingError, EOFError, ValueError, KeyError, TypeError) as error:
             fail(f"{folder / name} is not a CIFAR-10 batch ({type(error).__name__}: {str(error)[:80]}); delete "
                  f"{folder} to download it again")
-    data = np.concatenate([batch["data"] for batch in batches]).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
-    return ImageArrayDataset(data, [label for batch in batches for label in batch["labels"]], transform)
+    data = np.concatenate([images for images, _ in batches]).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+    return ImageArrayDataset(data, [label for _, labels in batches for label in labels], transform)
 
 
 def load_data(args, train_transform, test_transform):

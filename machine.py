@@ -32,7 +32,7 @@ def torch_version():
 
 
 def torch_too_old():
-    """Where this torch is older than OLDEST_TORCH (a cluster's or a notebook's own, say), which would fail mid-run."""
+    """Where this torch is older than OLDEST_TORCH (a cluster's or a notebook's own, say), which no test runs on."""
     if torch_version() < OLDEST_TORCH:
         oldest = ".".join(map(str, OLDEST_TORCH))
         return (f"torch {torch.__version__} is older than {oldest}, the oldest these scripts run on: pip install "
@@ -49,7 +49,7 @@ def why_no_cuda():
         return None, None
     if sys.platform == "darwin":
         return "macOS has no CUDA", None  # and the scripts do not use Apple's GPU (MPS)
-    if torch.version.cuda is None and torch.version.hip is None:
+    if torch.version.cuda is None and torch.version.hip is None and getattr(torch.version, "xpu", None) is None:
         build, command = cuda_12_build()
         return f"this torch ({torch.__version__}) is a CPU-only build", f"for an NVIDIA GPU, install {build}: {command}"
     warning = next((str(w.message) for w in caught if "driver" in str(w.message).lower()), "")
@@ -89,7 +89,8 @@ def gpu_without_kernels():
     for index in range(torch.cuda.device_count()):
         major, minor = torch.cuda.get_device_capability(index)
         capability = 10 * major + minor
-        # A kernel built for sm_XY runs on sm_XZ for Z >= Y; PTX for compute_XY is compiled for any newer GPU.
+        # A kernel built for sm_XY runs on sm_XZ for Z >= Y (but Jetson's: torch.cuda's DEVICE_REQUIREMENT); PTX for
+        # compute_XY is compiled for any newer GPU.
         if any(kind == "sm" and number // 10 == major and number <= capability or
                kind == "compute" and number <= capability for kind, number in builds):
             continue
@@ -120,7 +121,7 @@ def compile_problem(device):
 
     Read off what inductor needs: a C++ compiler for CPU kernels (found by inductor's own search); for GPU kernels,
     Triton, a GPU of compute capability 7.0 or newer and a C compiler for Triton's launcher. Compiling a trial
-    function instead would cost seconds before every run.
+    function instead would add a compile before every run.
     """
     # Inductor's modules import cpp_extension, which on a machine with nvcc and no GPU warns "No CUDA runtime is
     # found, using CUDA_HOME=..." (a print in torch 2.6): noise among a run's first lines, so import it quietly first
@@ -133,7 +134,7 @@ def compile_problem(device):
             return COMPILE_FAILURES["TritonMissing"]
         if torch.cuda.get_device_capability(device) < (7, 0):
             return COMPILE_FAILURES["GPUTooOldForTriton"]
-        if not (os.environ.get("CC") or any(shutil.which(name) for name in ("clang", "gcc", "cc"))):
+        if not (os.environ.get("CC") or any(shutil.which(name) for name in ("gcc", "clang"))):  # Triton's search
             return COMPILE_FAILURES["Failed to find C compiler"]
         return None
     try:

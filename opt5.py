@@ -345,7 +345,7 @@ def cuda_graph(step, device, warmup_steps=3):
                 graph, cause = None, error.__context__ or error  # the op's error, not the failed capture_end's
                 why = (str(cause).strip().splitlines() or [""])[0][:160]
                 print(f"step: not captured ({type(cause).__name__}: {why}); this step and the rest run as a function")
-                return step()  # the capture recorded this step but ran none of it
+                return step()  # the capture recorded this step's kernels but ran none
             print(f"step: captured as a CUDA graph after {warmup_steps} warm-up calls, replayed from here on")
         graph.replay()
     return graphed_step

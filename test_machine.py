@@ -101,6 +101,14 @@ def test_the_cuda_12_remedy_names_a_build_that_exists_for_this_torch(version, bu
     assert f"install {build}, which has sm_50 to sm_90: {command} --index-url" in machine.gpu_without_kernels()
 
 
+def test_an_intel_gpu_build_is_not_called_cpu_only(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "platform", "linux")
+    for name, value in {"cuda": None, "hip": None, "xpu": "20250101"}.items():
+        monkeypatch.setattr(torch.version, name, value, raising=False)
+    assert machine.why_no_cuda() == ("torch sees no CUDA GPU", None)
+
+
 def test_macos_says_it_has_no_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(sys, "platform", "darwin")
@@ -172,14 +180,16 @@ torch.utils._triton.has_triton_package = lambda: False
     assert result.returncode == 2 and "CIFAR-10 is not in" in result.stderr  # the data, after the verdict
 
 
-@pytest.mark.parametrize("capability, c_compiler, says", [((6, 1), True, "compute capability 7.0 (V100)"),
-                                                          ((9, 0), False, "no C compiler for Triton's kernel launcher"),
-                                                          ((9, 0), True, None)])
-def test_inductors_needs_on_a_gpu_are_checked_without_compiling(capability, c_compiler, says, monkeypatch):
+@pytest.mark.parametrize("capability, on_path, says", [((6, 1), {"gcc"}, "compute capability 7.0 (V100)"),
+                                                       ((9, 0), set(), "no C compiler for Triton's kernel launcher"),
+                                                       # Triton looks for CC, gcc and clang alone (runtime/build.py)
+                                                       ((9, 0), {"cc"}, "no C compiler for Triton's kernel launcher"),
+                                                       ((9, 0), {"gcc"}, None), ((9, 0), {"clang"}, None)])
+def test_inductors_needs_on_a_gpu_are_checked_without_compiling(capability, on_path, says, monkeypatch):
     machine.compile_problem.cache_clear()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(sys.modules["torch.utils._triton"], "has_triton_package", lambda: True)
-    monkeypatch.setattr(machine.shutil, "which", lambda name: f"/usr/bin/{name}" if c_compiler else None)
+    monkeypatch.setattr(machine.shutil, "which", lambda name: f"/usr/bin/{name}" if name in on_path else None)
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.setattr(torch, "compile", lambda *args, **kwargs: pytest.fail("a trial compile"))
     problem = machine.compile_problem(torch.device("cuda", 0))

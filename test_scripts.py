@@ -1,6 +1,7 @@
 """Each script end to end, at a toy size on the CPU: it learns, reports each epoch's own figures, saves, and meets bad
 input and a missing dataset with one line and exit code 2."""
 import os
+import pickle
 import re
 import sys
 import time
@@ -270,6 +271,18 @@ def test_a_cifar10_batch_that_does_not_unpickle_exits_2_with_one_line(tmp_path):
     result = run_python("opt4.py", "--data-dir", tmp_path, "--device", "cpu", "--epochs", "1")
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "test_batch is not a CIFAR-10 batch" in result.stderr and "to download it again" in result.stderr
+
+
+@pytest.mark.parametrize("content", [{"labels": [0]}, [1, 2]], ids=["a dict without data", "not a dict"])
+def test_a_pickle_that_is_not_a_cifar10_batch_exits_2_with_one_line(content, tmp_path, capsys):
+    write_tiny_cifar10(tmp_path)
+    folder = tmp_path / "cifar-10-batches-py"
+    (folder / "test_batch").write_bytes(pickle.dumps(content))
+    with pytest.raises(SystemExit) as exit:
+        common.read_cifar10(folder, ["data_batch_1", "test_batch"], transform=None)
+    stderr = capsys.readouterr().err
+    assert exit.value.code == 2 and stderr.count("\n") == 1, stderr
+    assert "test_batch is not a CIFAR-10 batch" in stderr and "to download it again" in stderr
 
 
 # ---------------------------------------------------------------------------- timing and model
