@@ -123,8 +123,8 @@ def compile_problem(device):
     Triton, a GPU of compute capability 7.0 or newer and a C compiler for Triton's launcher. Compiling a trial
     function instead would add a compile before every run.
     """
-    # Inductor's modules import cpp_extension, which on a machine with nvcc and no GPU warns "No CUDA runtime is
-    # found, using CUDA_HOME=..." (a print in torch 2.6): noise among a run's first lines, so import it quietly first
+    # Compiling imports cpp_extension, which where it finds CUDA (CUDA_HOME, nvcc, /usr/local/cuda) but no GPU warns
+    # "No CUDA runtime is found, using CUDA_HOME=..." (a print in torch 2.6): noise in a run's first lines; quiet it
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     with contextlib.redirect_stderr(io.StringIO()):
         import torch.utils.cpp_extension  # noqa: F401
