@@ -96,11 +96,14 @@ def build_parser(description, batch_size, lr, epochs=5):
     add("--epochs", type=positive_int, default=epochs, help=f"passes over the training set (default: {epochs})")
     add("--batch-size", type=positive_int, default=batch_size,
         help=f"images per forward and backward pass, in each process (default: {batch_size})")
-    add("--lr", type=positive_float, default=lr, help=f"learning rate; a one-cycle schedule's peak where the script has one (default: {lr})")
+    add("--lr", type=positive_float, default=lr,
+        help=f"learning rate; a one-cycle schedule's peak, where a script has one; one that scales it prints the rate "
+             f"it uses (default: {lr})")
     add("--data-dir", default="./data", help="CIFAR-10 location; downloaded there if missing (default: ./data)")
     add("--device", choices=["auto", "cuda", "cpu"], default="auto",
         help="auto = cuda if available, else cpu (default: auto)")
-    add("--seed", type=int, default=0, help="random seed for the weights, the images' order and any augmentation (default: 0)")
+    add("--seed", type=int, default=0,
+        help="random seed for the weights, the images' order and any augmentation (default: 0)")
     add("--synthetic", action="store_true",
         help="learnable random data made in memory, no download: for speed, not accuracy (default: off)")
     add("--train-size", type=positive_int, default=None,
@@ -217,8 +220,8 @@ class ResNet10(nn.Module):
 
 # ----------------------------------------------------------------------------------- transforms
 
-# torchvision is imported where it is used: it imports torch.compile's machinery (1.3 s on a 2-core CPU, 4.4 s on the
-# H200's image without Python's bytecode cache), which --help, a bad flag or a verdict on the machine need not wait for.
+# torchvision is imported where it is used: it imports torch.compile's machinery, seconds that --help, a bad flag or a
+# verdict on the machine need not wait for.
 
 def plain_transform():
     """PIL image -> float tensor in [0, 1]."""
@@ -291,17 +294,18 @@ def cifar10(data_dir, train, transform):
 def read_cifar10(folder, names, transform):
     """The images (N x 32 x 32 x 3 uint8) and labels of CIFAR-10's pickled batches `names` in `folder`, as torchvision
     reads them, but without its md5 check of all six files (180 MB) for each set at every load and without
-    importing torchvision; exit 2 on a file that is not such a batch."""
+    importing torchvision; exit 2 on a file that is not a dict of `data` (N x 3,072 bytes) and `labels`."""
     batches = []
     for name in names:
         try:
             with open(folder / name, "rb") as file:
                 batch = pickle.load(file, encoding="latin1")
-            batches.append((batch["data"], batch["labels"]))
-        except (pickle.UnpicklingError, EOFError, ValueError, KeyError, TypeError) as error:
+            batches.append((batch["data"].reshape(-1, 3, 32, 32), batch["labels"]))
+        except (pickle.UnpicklingError, EOFError, ValueError, KeyError, TypeError, IndexError,
+                AttributeError) as error:  # what a file of other bytes, or of another pickle, raises here
             fail(f"{folder / name} is not a CIFAR-10 batch ({type(error).__name__}: {str(error)[:80]}); delete "
                  f"{folder} to download it again")
-    data = np.concatenate([images for images, _ in batches]).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+    data = np.concatenate([images for images, _ in batches]).transpose(0, 2, 3, 1)
     return ImageArrayDataset(data, [label for _, labels in batches for label in labels], transform)
 
 

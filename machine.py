@@ -18,10 +18,12 @@ import torch
 
 # The oldest torch the scripts run right on: requirements.txt's floor, which CI trains every script on
 OLDEST_TORCH = (2, 6)
-# PyTorch's own index of CUDA 12.6 builds, published for torch 2.6 to 2.14 (2.15 on: CUDA 13 only). They run on NVIDIA
-# drivers from 525 on and, for Linux x86 and Windows, have kernels for sm_50 to sm_90 (pytorch/pytorch's RELEASE.md)
+# PyTorch's own index of CUDA 12.6 builds, which run on NVIDIA drivers from 525 on and, for Linux x86 and Windows, have
+# kernels for sm_50 to sm_90: published for torch 2.6 to 2.14 (pytorch/pytorch's RELEASE.md; PyTorch's notice of
+# 2026-09-04: no CUDA 12 builds from 2.15 on)
 CUDA_12_INDEX = "https://download.pytorch.org/whl/cu126"
 LAST_CUDA_12_TORCH = (2, 14)
+LAST_CUDA_12_REQUIREMENTS = '"torch==2.14.*" "torchvision==0.29.*"'  # 2.14's torchvision is 0.29
 # The oldest NVIDIA driver each CUDA major version runs on (with CUDA's minor version compatibility)
 MIN_DRIVER = {11: 450, 12: 525, 13: 580}
 
@@ -51,7 +53,11 @@ def why_no_cuda():
         return "macOS has no CUDA", None  # and the scripts do not use Apple's GPU (MPS)
     if torch.version.cuda is None and torch.version.hip is None and getattr(torch.version, "xpu", None) is None:
         build, command = cuda_12_build()
-        return f"this torch ({torch.__version__}) is a CPU-only build", f"for an NVIDIA GPU, install {build}: {command}"
+        remedy = f"for an NVIDIA GPU, install {build}: {command}"
+        if torch_version() > LAST_CUDA_12_TORCH:  # this torch's CUDA 13 build, where the driver is 580 or newer
+            remedy = ("for an NVIDIA GPU, install a CUDA build of this torch (https://pytorch.org/get-started/"
+                      f"locally); for a driver older than 580, {build}: {command}")
+        return f"this torch ({torch.__version__}) is a CPU-only build", remedy
     warning = next((str(w.message) for w in caught if "driver" in str(w.message).lower()), "")
     found = re.search(r"too old \(found version (\d+)\)", warning)
     if found:
@@ -67,11 +73,12 @@ def why_no_cuda():
 
 
 def cuda_12_build():
-    """(which build, the pip command) for a CUDA 12.6 build: of this torch, or of 2.14, the last torch that has one."""
+    """(which build, the pip command) for a CUDA 12.6 build: this torch's, or the last torch's that has one."""
     if torch_version() <= LAST_CUDA_12_TORCH:
-        return "the CUDA 12.6 build of this torch", f"pip install {this_torch()} --index-url {CUDA_12_INDEX}"
-    return ("the CUDA 12.6 build of torch 2.14, the last torch that has one",
-            f'pip install "torch==2.14.*" "torchvision==0.29.*" --index-url {CUDA_12_INDEX}')
+        return "this torch's CUDA 12.6 build", f"pip install {this_torch()} --index-url {CUDA_12_INDEX}"
+    last = ".".join(map(str, LAST_CUDA_12_TORCH))
+    return (f"torch {last}'s CUDA 12.6 build (the last)",
+            f"pip install {LAST_CUDA_12_REQUIREMENTS} --index-url {CUDA_12_INDEX}")
 
 
 def this_torch():
@@ -89,13 +96,13 @@ def gpu_without_kernels():
     for index in range(torch.cuda.device_count()):
         major, minor = torch.cuda.get_device_capability(index)
         capability = 10 * major + minor
-        # A kernel built for sm_XY runs on sm_XZ for Z >= Y (but Jetson's: torch.cuda's DEVICE_REQUIREMENT); PTX for
-        # compute_XY is compiled for any newer GPU.
+        # A kernel built for sm_XY runs on sm_XZ for Z >= Y (not on Jetson's sm_53, 62, 72, 87, which torch.cuda's
+        # DEVICE_REQUIREMENT sets apart and this check does not); PTX for compute_XY is compiled for any newer GPU.
         if any(kind == "sm" and number // 10 == major and number <= capability or
                kind == "compute" and number <= capability for kind, number in builds):
             continue
         build, command = cuda_12_build()
-        remedy = (f"install {build}, which has sm_50 to sm_90: {command}" if capability < 75 else
+        remedy = (f"install {build}, with kernels for sm_50 to sm_90: {command}" if capability < 75 else
                   "install a newer torch built for it (https://pytorch.org/get-started/locally)")
         return (f"GPU {index} ({torch.cuda.get_device_name(index)}) is sm_{capability}, and this torch "
                 f"({torch.__version__}) has kernels for {' '.join(architectures)} only: {remedy}; or use --device cpu")
@@ -123,8 +130,9 @@ def compile_problem(device):
     Triton, a GPU of compute capability 7.0 or newer and a C compiler for Triton's launcher. Compiling a trial
     function instead would add a compile before every run.
     """
-    # Compiling imports cpp_extension, which where it finds CUDA (CUDA_HOME, nvcc, /usr/local/cuda) but no GPU warns
-    # "No CUDA runtime is found, using CUDA_HOME=..." (a print in torch 2.6): noise in a run's first lines; quiet it
+    # Compiling imports cpp_extension: in a CUDA build of torch that finds a CUDA toolkit (CUDA_HOME or CUDA_PATH, nvcc,
+    # /usr/local/cuda) but no GPU, it warns "No CUDA runtime is found, using CUDA_HOME=..." (a print in torch 2.6):
+    # noise among a run's first lines, so import it quietly first
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     with contextlib.redirect_stderr(io.StringIO()):
         import torch.utils.cpp_extension  # noqa: F401

@@ -1,8 +1,8 @@
 """opt1.py: baseline.py + mixed precision, torch.compile (a padded last test batch), AdamW and the cuDNN autotuner.
 
-16-bit autocast, torch.compile and the autotuner speed up the GPU's own work. On an H200 opt1 stepped at 1.18x, then
-0.88x, baseline's images/s (the same code, two runs each; float16 there, whose GradScaler reads a flag on the host each
-step), and was slower from launch to result (compiling). Our guess, not profiled: the GPU waits on baseline's
+16-bit autocast, torch.compile and the autotuner speed up the GPU's own work. On an H200 opt1 was not reliably faster
+than baseline (two pairs of runs of the same code disagree; float16 there, whose GradScaler reads a flag on the host
+each step) and was slower from launch to result (compiling). Our guess, not profiled: the GPU waits on baseline's
 DataLoader, which opt2 and opt3 feed faster.
 
     python opt1.py --epochs 5               # CIFAR-10 in ./data, downloaded if missing

@@ -57,8 +57,8 @@ def parse_args():
     parser.add_argument("--label-smoothing", type=common.fraction, default=RECIPE["label_smoothing"],
                         help=f"weight of a uniform target mixed into each label (default: {RECIPE['label_smoothing']})")
     parser.add_argument("--min-size", type=int, default=RECIPE["min_size"], choices=[8, 16, 24, 32],
-                        help=f"smallest image side, the first epochs' (too few epochs skip it); 32 by the last (default: "
-                             f"{RECIPE['min_size']})")
+                        help=f"smallest image side, the first epochs'; 32 by the last (too few epochs skip the sizes "
+                             f"between) (default: {RECIPE['min_size']})")
     parser.add_argument("--full-size-share", type=common.fraction, default=RECIPE["full_size_share"],
                         help="share of the epochs at the full size, the last ones (at least one); the smaller sizes "
                              f"share the rest as evenly as they can (default: {RECIPE['full_size_share']})")

@@ -48,7 +48,7 @@ def test_an_old_driver_says_a_gpu_is_there_and_both_remedies_then_trains_on_the_
     assert first_line.startswith("a GPU is here, but its NVIDIA driver is too old for this torch's CUDA 13.0 "
                                  "(it runs CUDA 12.4 at most): running on the CPU"), first_line
     assert "update the driver to 580 or newer" in first_line
-    assert f"pip install torch=={torch.__version__.split('+')[0]} " in first_line
+    assert first_line.endswith(machine.cuda_12_build()[1])  # this torch's CUDA 12.6 build, or 2.14's after it
     assert first_line.endswith("--index-url https://download.pytorch.org/whl/cu126")
     assert "no CUDA GPU" not in result.stdout and "opt1.py on cpu" in result.stdout
 
@@ -75,17 +75,16 @@ def test_a_cpu_only_torch_build_says_so_and_how_to_get_a_cuda_build():
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[0].startswith(f"this torch ({torch.__version__}) is a CPU-only build: running "
                                                     f"on the CPU (slow; the scripts target CUDA); for an NVIDIA GPU, "
-                                                    f"install the CUDA 12.6 build of ")
+                                                    f"install ")
     result = run_on_fake_machine(CPU_ONLY_BUILD, "baseline.py", *NO_DATA, "--device", "cuda")
     assert_one_error_line(result, "is a CPU-only build", "--index-url https://download.pytorch.org/whl/cu126")
 
 
 @pytest.mark.parametrize("version, build, command", [
-    ("2.6.0+cu124", "the CUDA 12.6 build of this torch", "pip install torch==2.6.0 torchvision==0.21.0"),
-    ("2.14.1+cu130", "the CUDA 12.6 build of this torch", "pip install torch==2.14.1 torchvision==0.29.1"),
+    ("2.6.0+cu124", "this torch's CUDA 12.6 build", "pip install torch==2.6.0 torchvision==0.21.0"),
+    ("2.14.1+cu130", "this torch's CUDA 12.6 build", "pip install torch==2.14.1 torchvision==0.29.1"),
     # PyTorch published CUDA 12.6 builds for torch 2.6 to 2.14 only: a newer torch is pointed to 2.14's
-    ("2.15.0+cu130", "the CUDA 12.6 build of torch 2.14, the last torch that has one",
-     'pip install "torch==2.14.*" "torchvision==0.29.*"'),
+    ("2.15.0+cu130", "torch 2.14's CUDA 12.6 build (the last)", 'pip install "torch==2.14.*" "torchvision==0.29.*"'),
 ])
 def test_the_cuda_12_remedy_names_a_build_that_exists_for_this_torch(version, build, command, monkeypatch):
     torchvision = {"2.6.0+cu124": "0.21.0", "2.14.1+cu130": "0.29.1", "2.15.0+cu130": "0.30.0"}[version]
@@ -98,7 +97,15 @@ def test_the_cuda_12_remedy_names_a_build_that_exists_for_this_torch(version, bu
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (7, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Tesla V100-SXM2-16GB")
     monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_75", "sm_80", "sm_90"])
-    assert f"install {build}, which has sm_50 to sm_90: {command} --index-url" in machine.gpu_without_kernels()
+    assert f"install {build}, with kernels for sm_50 to sm_90: {command} --index-url" in machine.gpu_without_kernels()
+    # a CPU-only build of that torch: this torch's CUDA 12.6 build, or after 2.14 its own CUDA build first
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.version, "hip", None)
+    remedy = machine.why_no_cuda()[1]
+    assert remedy.endswith(f"{build}: {command} --index-url https://download.pytorch.org/whl/cu126")
+    assert ("a CUDA build of this torch" in remedy) == (version == "2.15.0+cu130")
 
 
 def test_an_intel_gpu_build_is_not_called_cpu_only(monkeypatch):
@@ -120,7 +127,8 @@ def test_a_gpu_the_build_has_no_kernels_for_exits_2_naming_it_and_the_remedy(scr
     patches = VISIBLE_GPU.format(count=1, capability=70, name="Tesla V100-SXM2-16GB")
     result = run_on_fake_machine(patches, script, *NO_DATA)  # --device auto: the GPU is there, so no CPU fallback
     assert_one_error_line(result, "GPU 0 (Tesla V100-SXM2-16GB) is sm_70", "has kernels for sm_75 sm_80 sm_86 sm_90 "
-                          "sm_100 sm_120 only", "the CUDA 12.6 build of this torch, which has sm_50 to sm_90",
+                          "sm_100 sm_120 only",
+                          "install this torch's CUDA 12.6 build, with kernels for sm_50 to sm_90",
                           "--index-url https://download.pytorch.org/whl/cu126; or use --device cpu")
 
 

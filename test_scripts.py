@@ -273,15 +273,17 @@ def test_a_cifar10_batch_that_does_not_unpickle_exits_2_with_one_line(tmp_path):
     assert "test_batch is not a CIFAR-10 batch" in result.stderr and "to download it again" in result.stderr
 
 
-@pytest.mark.parametrize("content", [{"labels": [0]}, [1, 2]], ids=["a dict without data", "not a dict"])
+@pytest.mark.parametrize("content", [{"labels": [0]}, [1, 2], np.arange(3),
+                                     {"data": np.zeros((2, 10), np.uint8), "labels": [0, 1]}],
+                         ids=["a dict without data", "a list", "an array", "images of 10 bytes"])
 def test_a_pickle_that_is_not_a_cifar10_batch_exits_2_with_one_line(content, tmp_path, capsys):
     write_tiny_cifar10(tmp_path)
     folder = tmp_path / "cifar-10-batches-py"
     (folder / "test_batch").write_bytes(pickle.dumps(content))
-    with pytest.raises(SystemExit) as exit:
+    with pytest.raises(SystemExit) as ended:
         common.read_cifar10(folder, ["data_batch_1", "test_batch"], transform=None)
     stderr = capsys.readouterr().err
-    assert exit.value.code == 2 and stderr.count("\n") == 1, stderr
+    assert ended.value.code == 2 and stderr.count("\n") == 1, stderr
     assert "test_batch is not a CIFAR-10 batch" in stderr and "to download it again" in stderr
 
 
