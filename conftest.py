@@ -1,5 +1,6 @@
 """What the chain's tests share: the scripts as modules, a script run in a fresh process, a script's functions called
 with what main() would give them. The lab's tests (lab/) use them too."""
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -8,6 +9,7 @@ import os
 import pickle
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -62,8 +64,38 @@ def run_python(*args, timeout=600, env=None):
     """Run `python args...` in a fresh process, offline, with `env` added to the environment; returns the
     CompletedProcess."""
     env = {**os.environ, **NO_NETWORK, **(env or {})}
-    return subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return finish(start([sys.executable, *map(str, args)], cwd=ROOT, env=env), timeout)
+
+
+def start(command, cwd, env):
+    """`command` started in a session of its own, its output captured: what it starts, `finish` can stop."""
+    return subprocess.Popen(command, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+
+
+def finish(process, timeout):
+    """`process`'s CompletedProcess once it ends. Past `timeout` seconds (or on Ctrl-C) its whole process group is
+    stopped, as torchrun is stopped: SIGTERM, which torchrun passes on to its ranks (in sessions of their own), then
+    SIGKILL a minute later; so no rank outlives the test to slow the next ones."""
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except BaseException as error:
+        stop(process)
+        if isinstance(error, subprocess.TimeoutExpired):
+            raise subprocess.TimeoutExpired(process.args, timeout) from None
+        raise
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def stop(process):
+    with contextlib.suppress(ProcessLookupError):  # the group may have ended already
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
 
 
 def call(function, **available):

@@ -3,7 +3,6 @@ piece replacing it, as the row says); each block of the copy page run as a clien
 data-parallelism row's client under torchrun: two Gloo processes."""
 import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -12,6 +11,7 @@ from PIL import Image
 from torchvision import transforms
 
 import root  # noqa: F401  (first: the repository's root on sys.path, for the scripts and common.py)
+from conftest import finish, start  # noqa: E402
 from test_pieces import (  # noqa: E402
     CAPTURED, PAGE, YOUR_SCRIPT, GridNet, SECOND_CLIENT_DEVICE, TutorialNet, block_source, capturable_adamw,
     captured_source, client_dataset, client_sgd, copy_page, free_port, learned, page_rows, row_source, sequence,
@@ -29,8 +29,8 @@ def run_client(client_text, folder, returncode=0, env=None):
     folder.mkdir(exist_ok=True)
     client = folder / "client.py"
     client.write_text(client_text)
-    result = subprocess.run([sys.executable, str(client)], cwd=folder, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": "", **(env or {})})
+    result = finish(start([sys.executable, str(client)], cwd=folder,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": "", **(env or {})}), timeout=300)
     assert result.returncode == returncode, result.stderr[-2000:]
     return result.stdout
 
@@ -40,10 +40,10 @@ def torchrun(client_text, folder, env=None, timeout=180):
     client, port = folder / "client.py", free_port()
     client.write_text(client_text)
     environment = {name: value for name, value in os.environ.items() if name not in ("LOCAL_RANK", "RANK")}
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--rdzv-endpoint=127.0.0.1:{port}",
-         "--rdzv-backend=c10d", str(client)], cwd=folder, capture_output=True, text=True, timeout=timeout,
-        env={**environment, "OMP_NUM_THREADS": "1", "PYTHONPATH": "", "MASTER_PORT": str(port), **(env or {})})
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+               f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-backend=c10d", str(client)]
+    env = {**environment, "OMP_NUM_THREADS": "1", "PYTHONPATH": "", "MASTER_PORT": str(port), **(env or {})}
+    return finish(start(command, cwd=folder, env=env), timeout)
 
 
 SINGLE_PROCESS_ROWS = [title for title in page_rows() if title != "data parallelism"]  # its launchers: below
@@ -239,9 +239,8 @@ def test_the_data_parallel_blocks_client_trains_two_ranks_to_equal_weights_under
         client = tmp_path / "client.py"
         client.write_text(page_client("data parallelism"))
         environment = {name: value for name, value in os.environ.items() if name not in ("LOCAL_RANK", "RANK")}
-        result = subprocess.run([sys.executable, str(client)], cwd=tmp_path, capture_output=True, text=True,
-                                timeout=180, env={**environment, "OMP_NUM_THREADS": "1", "PYTHONPATH": "",
-                                                  "MASTER_PORT": str(free_port())})
+        result = finish(start([sys.executable, str(client)], cwd=tmp_path, env={
+            **environment, "OMP_NUM_THREADS": "1", "PYTHONPATH": "", "MASTER_PORT": str(free_port())}), timeout=180)
     assert result.returncode == 0, result.stderr[-2000:]
     checksums = dict(re.findall(r"rank (\d): weights' checksum (\S+)", result.stdout))
     assert sorted(checksums) == ["0", "1"] and checksums["0"] == checksums["1"], result.stdout
@@ -295,8 +294,8 @@ if __name__ == "__main__":
 def test_under_spawn_the_ranks_batchnorm_buffers_are_averaged_across_the_process_group(tmp_path):
     client = tmp_path / "client_spawn.py"
     client.write_text(row_source("data parallelism") + SPAWN_BATCHNORM)
-    result = subprocess.run([sys.executable, str(client), str(tmp_path / "rank")], capture_output=True, text=True,
-                            timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())})
+    result = finish(start([sys.executable, str(client), str(tmp_path / "rank")], cwd=None,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}), timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     ranks = [torch.load(tmp_path / f"rank{rank}") for rank in (0, 1)]
     assert [rank["world_size"] for rank in ranks] == [2, 2], "the process group's size, not torchrun's (unset)"

@@ -19,7 +19,7 @@ import opt4  # noqa: E402
 import opt6  # noqa: E402
 from conftest import (  # noqa: E402
     CHECKSUM_RANK, CPU, DDP_ARGS, NO_NETWORK, PRINT_WEIGHTS_CHECKSUM, ROOT, SMALL, TORCHRUN, WEIGHTS_CHECKSUM,
-    bn_free_net, call, checksums, image_hash, read_json, run_python)
+    bn_free_net, call, checksums, finish, image_hash, read_json, run_python, start, stop)
 
 
 def free_port():
@@ -31,12 +31,15 @@ def free_port():
 def run_two_nodes(script, processes_per_node, *args, timeout=300):
     """Two torchrun 'nodes' on this machine, as opt6's docstring starts them; returns both CompletedProcesses."""
     port, env = free_port(), {**os.environ, **NO_NETWORK}
-    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
-                               f"--nproc_per_node={processes_per_node}", f"--rdzv-endpoint=127.0.0.1:{port}",
-                               *map(str, [script, *args])], cwd=ROOT, env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for node in (0, 1)]
-    outputs = [node.communicate(timeout=timeout) for node in nodes]
-    return [subprocess.CompletedProcess(node.args, node.returncode, *output) for node, output in zip(nodes, outputs)]
+    nodes = [start([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
+                    f"--nproc_per_node={processes_per_node}", f"--rdzv-endpoint=127.0.0.1:{port}",
+                    *map(str, [script, *args])], cwd=ROOT, env=env) for node in (0, 1)]
+    try:
+        return [finish(node, timeout) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:  # the other node, where one timed out
+                stop(node)
 
 
 DATA_TURN = """
@@ -298,11 +301,42 @@ opt6.main()
 def test_opt6_a_failing_rank_ends_the_whole_job_with_its_message(tmp_path):
     wrapper = tmp_path / "fail_on_rank_1.py"
     wrapper.write_text(FAILING_RANK.format(root=str(ROOT)))
-    start = time.monotonic()
+    began = time.monotonic()
     result = run_python(*TORCHRUN, wrapper, *DDP_ARGS, "--train-size", 1024, timeout=300)
     assert result.returncode != 0
     assert "injected failure on rank 1" in result.stderr
-    assert time.monotonic() - start < 240, "torchrun should stop the waiting rank, not hang"
+    assert time.monotonic() - began < 240, "torchrun should stop the waiting rank, not hang"
+
+
+SLEEPING_RANK = """
+import os, sys, time
+with open(sys.argv[1] + os.environ["RANK"], "w") as file:
+    file.write(str(os.getpid()))
+time.sleep(600)
+"""
+
+
+def test_a_torchrun_past_its_tests_deadline_is_stopped_with_its_ranks(tmp_path):
+    # The tests' runs (conftest's run_python, finish) stop a run past its deadline: torchrun's ranks, in sessions of
+    # their own, must not outlive it to slow the tests after it
+    script, pid_files = tmp_path / "sleeps.py", [tmp_path / f"rank{rank}" for rank in (0, 1)]
+    script.write_text(SLEEPING_RANK)
+    process = start([sys.executable, *TORCHRUN, script, tmp_path / "rank"], cwd=ROOT, env={**os.environ, **NO_NETWORK})
+    deadline = time.monotonic() + 240
+    while not all(path.is_file() and path.read_text() for path in pid_files):
+        assert process.poll() is None and time.monotonic() < deadline, "torchrun did not start both ranks"
+        time.sleep(0.5)
+    with pytest.raises(subprocess.TimeoutExpired):
+        finish(process, timeout=1)
+    assert [pid for pid in map(int, (path.read_text() for path in pid_files)) if running(pid)] == []
+
+
+def running(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def test_opt6_under_torchrun_with_one_process_trains_and_leaves_its_group_of_one():
