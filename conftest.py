@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -228,8 +229,9 @@ torch.cuda.get_device_name = lambda index=None: {name!r}
 torch.cuda.get_arch_list = lambda: ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]
 torch.cuda.is_bf16_supported = lambda including_emulation=True: including_emulation or {capability} >= 80
 """
-NO_DATA = ["--data-dir", "no-such-folder", "--epochs", "1", "--train-size", "64", "--test-size", "64",
-           "--batch-size", "32"]
+# A data folder that is not there (torchvision's failed download makes it empty: in the temp folder, not the repository)
+NO_DATA = ["--data-dir", str(Path(tempfile.gettempdir()) / "fast-cifar-no-such-folder"), "--epochs", "1",
+           "--train-size", "64", "--test-size", "64", "--batch-size", "32"]
 
 
 def run_on_fake_machine(patches, script, *args, env=None):
