@@ -10,6 +10,7 @@ import pickle
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -97,6 +98,13 @@ def stop(process):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         process.communicate()
+
+
+def free_port():
+    """A port on 127.0.0.1 that nothing listens on, for a process group's rendezvous."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        return free.getsockname()[1]
 
 
 def call(function, **available):

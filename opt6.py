@@ -52,8 +52,7 @@ def parse_args():
                         help="torch.compile the model; it pays where the time it saves exceeds its compiling "
                              "(default: off)")
     parser.add_argument("--accum-steps", type=common.positive_int, default=1,
-                        help="micro-batches per optimizer step; global batch = batch size x this x processes "
-                             "(default: 1)")
+                        help="micro-batches per optimizer step; global batch = batch x this x ranks (default: 1)")
     parser.add_argument("--label-smoothing", type=common.fraction, default=RECIPE["label_smoothing"],
                         help=f"weight of a uniform target mixed into each label (default: {RECIPE['label_smoothing']})")
     parser.add_argument("--min-size", type=int, default=RECIPE["min_size"], choices=[8, 16, 24, 32],

@@ -17,7 +17,6 @@ import builtins
 import functools
 import os
 import re
-import socket
 import symtable
 import types
 from pathlib import Path
@@ -29,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from conftest import cuda_test
+from conftest import cuda_test, free_port
 
 ROOT = Path(__file__).resolve().parent
 PAGE = ROOT / "docs" / "copy.md"  # the copy page: a block of code for each row of the table
@@ -538,13 +537,6 @@ def recipe_row(pieces):
     with torch.no_grad():
         two_views = model(test_images) + model(test_images.flip(3))
     assert (two_views.argmax(1) == test_labels).float().mean() > 0.9
-
-
-def free_port():
-    """A port on 127.0.0.1 that nothing listens on, for a process group's rendezvous."""
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        return free.getsockname()[1]
 
 
 def parallelism_row(pieces):

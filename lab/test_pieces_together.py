@@ -11,10 +11,10 @@ from PIL import Image
 from torchvision import transforms
 
 import root  # noqa: F401  (first: the repository's root on sys.path, for the scripts and common.py)
-from conftest import finish, start  # noqa: E402
+from conftest import finish, free_port, start  # noqa: E402
 from test_pieces import (  # noqa: E402
     CAPTURED, PAGE, YOUR_SCRIPT, GridNet, SECOND_CLIENT_DEVICE, TutorialNet, block_source, capturable_adamw,
-    captured_source, client_dataset, client_sgd, copy_page, free_port, learned, page_rows, row_source, sequence,
+    captured_source, client_dataset, client_sgd, copy_page, learned, page_rows, row_source, sequence,
     step_epochs)
 
 

@@ -3,7 +3,6 @@ handle, the data's turn, a failing rank: several Gloo processes each, so in the 
 import collections
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,13 +18,7 @@ import opt4  # noqa: E402
 import opt6  # noqa: E402
 from conftest import (  # noqa: E402
     CHECKSUM_RANK, CPU, DDP_ARGS, NO_NETWORK, PRINT_WEIGHTS_CHECKSUM, ROOT, SMALL, TORCHRUN, WEIGHTS_CHECKSUM,
-    bn_free_net, call, checksums, finish, image_hash, read_json, run_python, start, stop)
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    bn_free_net, call, checksums, finish, free_port, image_hash, read_json, run_python, start, stop)
 
 
 def run_two_nodes(script, processes_per_node, *args, timeout=300):
